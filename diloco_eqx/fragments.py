@@ -1,0 +1,192 @@
+"""Fragmentation: which parameters belong to each fragment, and reading/writing one.
+
+Fragment 0 is every floating-point leaf outside the scanned layer stack; fragments 1..P-1
+are groups of indices along axis 0 of every leaf of the stack. With one fragment (vanilla
+DiLoCo) fragment 0 is the whole model.
+
+`take(tree, f)` returns a tree shaped like `tree` in which leaves outside f are None and
+layer leaves are cut down to f's layers; `put(tree, f, part)` writes such a tree back.
+Contiguous groups are read with a slice and written with a dynamic-update-slice; strided
+groups (the interleaved order) go through a reshape to (N/s, s, ...) and a slice of the
+second axis; only irregular user orders fall back to gather/scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+import optax
+
+from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.orders import layer_groups
+
+PyTree = Any
+
+
+def default_layers(model):
+    """Where the stacked decoder layers live by default: `model.layers`."""
+    return model.layers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layers:
+    """How to read and write one group of layer indices along axis 0."""
+
+    indices: tuple[int, ...]
+    num_layers: int
+
+    @property
+    def _stride(self) -> int:
+        idx = self.indices
+        return idx[1] - idx[0] if len(idx) > 1 else 1
+
+    @property
+    def kind(self) -> str:
+        idx, s = self.indices, self._stride
+        if idx != tuple(range(idx[0], idx[0] + s * len(idx), s)):
+            return "gather"
+        if s == 1:
+            return "slice"
+        if self.num_layers % s == 0 and idx[0] < s and len(idx) == self.num_layers // s:
+            return "stride"
+        return "gather"
+
+    def read(self, x: jax.Array) -> jax.Array:
+        kind, idx, s = self.kind, self.indices, self._stride
+        if kind == "slice":
+            return lax.slice_in_dim(x, idx[0], idx[0] + len(idx), axis=0)
+        if kind == "stride":
+            return x.reshape(len(idx), s, *x.shape[1:])[:, idx[0]]
+        return jnp.take(x, jnp.asarray(idx), axis=0)
+
+    def write(self, x: jax.Array, v: jax.Array) -> jax.Array:
+        kind, idx, s = self.kind, self.indices, self._stride
+        if kind == "slice":
+            return lax.dynamic_update_slice_in_dim(x, v, idx[0], axis=0)
+        if kind == "stride":
+            grid = x.reshape(len(idx), s, *x.shape[1:])
+            return lax.dynamic_update_slice_in_dim(grid, v[:, None], idx[0], axis=1).reshape(x.shape)
+        return x.at[jnp.asarray(idx)].set(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragmentation:
+    """The P fragments of a model's floating-point parameters."""
+
+    num_fragments: int
+    groups: tuple[tuple[int, ...], ...]
+    """Layer indices of fragments 1..P-1 (entry i-1 is fragment i)."""
+    num_layers: int
+    layer_mask: PyTree
+    """Params-shaped tree of bools: True for leaves of the layer stack."""
+
+    @classmethod
+    def from_model(
+        cls,
+        model: eqx.Module,
+        cfg: DiLoCoConfig,
+        layers: Callable[[Any], Any] = default_layers,
+    ) -> Fragmentation:
+        """Fragments of `model` for `cfg`; `layers` points at the stacked layer module."""
+        params = eqx.filter(model, eqx.is_inexact_array)
+        marker = object()
+        try:
+            marked = eqx.tree_at(
+                layers, params, replace_fn=lambda sub: jax.tree.map(lambda _: marker, sub)
+            )
+        except Exception as e:  # noqa: BLE001 - re-raised with the knob named
+            raise ValueError(
+                "Fragmentation.from_model: `layers` must point at the model's stacked layer "
+                f"module (default: model.layers); it failed with {e!r}"
+            ) from e
+        mask = jax.tree.map(lambda x: x is marker, marked)
+        stack = [x for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m]
+        if not cfg.streaming:
+            return cls(1, (), _depth(stack), mask)
+        if not stack:
+            raise ValueError(
+                "streaming=True needs a stacked layer module (model.layers by default, or "
+                "pass layers=...) with at least one floating-point leaf; found none"
+            )
+        num_layers = _depth(stack)
+        groups = layer_groups(cfg.fragment_order, num_layers, cfg.num_fragments)
+        return cls(cfg.num_fragments, groups, num_layers, mask)
+
+    def layer_indices(self, f: int) -> tuple[int, ...]:
+        """Layer indices of fragment f >= 1."""
+        if not 1 <= f < self.num_fragments:
+            raise ValueError(
+                f"fragment must be in 1..{self.num_fragments - 1} to own layers; got {f}"
+            )
+        return self.groups[f - 1]
+
+    def _take_leaf(self, f: int) -> Callable[[Any, bool], Any]:
+        if self.num_fragments == 1:
+            return lambda x, is_layer: x
+        if f == 0:
+            return lambda x, is_layer: None if is_layer else x
+        layers = _Layers(self.groups[f - 1], self.num_layers)
+        return lambda x, is_layer: layers.read(x) if is_layer else None
+
+    def _put_leaf(self, f: int) -> Callable[[Any, Any, bool], Any]:
+        layers = _Layers(self.groups[f - 1], self.num_layers) if f else None
+
+        def put(x, p, is_layer):
+            if p is None:
+                return x
+            return layers.write(x, p) if is_layer and self.num_fragments > 1 else p
+
+        return put
+
+    def take(self, tree: PyTree, f: int) -> PyTree:
+        """Fragment f of a params-shaped tree (leaves outside f become None)."""
+        return jax.tree.map(self._take_leaf(f), tree, self.layer_mask, is_leaf=_is_none)
+
+    def put(self, tree: PyTree, f: int, part: PyTree) -> PyTree:
+        """`tree` with fragment f replaced by `part` (shaped like `take(tree, f)`)."""
+        return jax.tree.map(self._put_leaf(f), tree, part, self.layer_mask, is_leaf=_is_none)
+
+    def take_state(self, optimizer: optax.GradientTransformation, state: PyTree, f: int):
+        """Fragment f of every params-shaped part of an optax state (e.g. a momentum trace)."""
+        return optax.tree_utils.tree_map_params(
+            optimizer, self._take_leaf(f), state, self.layer_mask, is_leaf=_is_none
+        )
+
+    def put_state(self, optimizer: optax.GradientTransformation, state: PyTree, f: int, part):
+        """`state` with fragment f replaced by `part` (shaped like `take_state`'s result)."""
+        state_mask = optax.tree_utils.tree_map_params(
+            optimizer,
+            lambda x, m: m,
+            state,
+            self.layer_mask,
+            transform_non_params=lambda x: jax.tree.map(lambda _: False, x),
+            is_leaf=_is_none,
+        )
+        return jax.tree.map(self._put_leaf(f), state, part, state_mask, is_leaf=_is_none)
+
+    def param_counts(self, params: PyTree) -> list[int]:
+        """Number of scalars in each fragment of `params` (no K axis)."""
+        return [
+            sum(x.size for x in jax.tree.leaves(self.take(params, f)))
+            for f in range(self.num_fragments)
+        ]
+
+
+def _is_none(x) -> bool:
+    return x is None
+
+
+def _depth(stack: list[jax.Array]) -> int:
+    depths = {x.shape[0] for x in stack if x.ndim}
+    if len(depths) > 1 or any(x.ndim == 0 for x in stack):
+        raise ValueError(
+            "every leaf of the layer stack must share the leading (layer) axis; found leading "
+            f"sizes {sorted(depths)}"
+        )
+    return depths.pop() if depths else 0

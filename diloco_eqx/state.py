@@ -1,0 +1,76 @@
+"""DiLoCoState: everything the algorithm carries from one step to the next."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+from jaxtyping import Array, Int, PyTree
+
+from diloco_eqx import islands
+from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.fragments import Fragmentation, default_layers
+from diloco_eqx.outer import outer_optimizer
+
+
+class DiLoCoState(eqx.Module):
+    """Inner islands, outer model and Nesterov trace, and the global step t.
+
+    `inner_model`/`inner_opt_state` have a leading island axis of size K on every array leaf,
+    laid out along the diloco mesh axis; `outer_model`/`outer_opt_state` have none.
+    """
+
+    inner_model: eqx.Module
+    inner_opt_state: PyTree
+    outer_model: eqx.Module
+    outer_opt_state: PyTree
+    step: Int[Array, ""]
+
+    @property
+    def num_replicas(self) -> int:
+        return jax.tree.leaves(eqx.filter(self.inner_model, eqx.is_array))[0].shape[0]
+
+    def island(self, k: int) -> eqx.Module:
+        """Island k's model (no K axis)."""
+        arrays, static = eqx.partition(self.inner_model, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda x: x[k], arrays), static)
+
+
+def init_state(
+    model: eqx.Module,
+    inner_optimizer: optax.GradientTransformation,
+    cfg: DiLoCoConfig,
+    mesh: Mesh | None = None,
+    layers: Callable[[Any], Any] = default_layers,
+) -> DiLoCoState:
+    """Every island starts from `model`; the outer model is `model`; the trace is zero.
+
+    The state owns copies of `model`'s arrays, so donating it to the step leaves `model` intact.
+    `layers` points at the stacked layer module (checked against the fragment knobs here).
+    """
+    islands.check_divides(cfg.num_replicas, mesh)
+    Fragmentation.from_model(model, cfg, layers)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    k = cfg.num_replicas
+
+    def per_island(tree):
+        return jax.tree.map(
+            lambda x: jnp.broadcast_to(x, (k, *x.shape)) if eqx.is_array(x) else x, tree
+        )
+
+    model = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model)
+    inner_model = per_island(model)
+    inner_opt_state = per_island(inner_optimizer.init(params))
+    outer_opt_state = outer_optimizer(cfg).init(params)
+    return DiLoCoState(
+        inner_model=islands.place(inner_model, mesh, islands.ISLANDS),
+        inner_opt_state=islands.place(inner_opt_state, mesh, islands.ISLANDS),
+        outer_model=islands.place(model, mesh, islands.REPLICATED),
+        outer_opt_state=islands.place(outer_opt_state, mesh, islands.REPLICATED),
+        step=islands.place(jnp.zeros((), jnp.int32), mesh, islands.REPLICATED),
+    )

@@ -1,0 +1,226 @@
+"""make_train_step: one compiled global step of DiLoCo / Streaming DiLoCo.
+
+Inside the step, in order: one inner step on every island; t += 1; the sync stage
+(`lax.cond` on the schedule, `lax.switch` over fragments): pseudo-gradients of fragment
+f(t), their mean over islands, one Nesterov step on the outer fragment; the apply stage
+(same shape): blend the outer fragment f(t−V) into every island. Schedule positions are
+branches, not Python control flow, so the step compiles once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, PyTree
+
+from diloco_eqx import islands
+from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.fragments import Fragmentation, default_layers
+from diloco_eqx.outer import blend, outer_optimizer, outer_step, pseudo_gradient, tree_norm
+from diloco_eqx.schedule import Schedule
+from diloco_eqx.state import DiLoCoState
+
+LossFn = Callable[[eqx.Module, PyTree], Float[Array, ""]]
+
+
+class StepMetrics(Mapping):
+    """The step's metrics, fetched from the device on first access (so the host can
+    dispatch the next step before reading this one).
+
+    Keys: "step" (t), "loss" (mean over islands), "loss_island_{i}"; on sync steps also
+    "sync_fragment", "pseudo_grad_norm" (norm of the mean pseudo-gradient) and
+    "outer_update_norm"; on apply steps "apply_fragment".
+    """
+
+    def __init__(self, device_metrics: dict[str, Array], schedule: Schedule):
+        self._device = device_metrics
+        self._schedule = schedule
+        self._host: dict[str, float | int] | None = None
+
+    def _fetch(self) -> dict[str, float | int]:
+        if self._host is None:
+            m = jax.device_get(self._device)
+            t = int(m["step"])
+            losses = np.asarray(m["loss_island"], np.float64)
+            host: dict[str, float | int] = {"step": t, "loss": float(losses.mean())}
+            host.update({f"loss_island_{i}": float(x) for i, x in enumerate(losses)})
+            synced = self._schedule.sync_fragment(t)
+            if synced is not None:
+                host["sync_fragment"] = synced
+                host["pseudo_grad_norm"] = float(m["pseudo_grad_norm"])
+                host["outer_update_norm"] = float(m["outer_update_norm"])
+            applied = self._schedule.apply_fragment(t)
+            if applied is not None:
+                host["apply_fragment"] = applied
+            self._host = host
+        return self._host
+
+    def __getitem__(self, key: str):
+        return self._fetch()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fetch())
+
+    def __len__(self) -> int:
+        return len(self._fetch())
+
+    def __repr__(self) -> str:
+        return f"StepMetrics({self._fetch()})"
+
+
+def make_train_step(
+    cfg: DiLoCoConfig,
+    loss_fn: LossFn,
+    inner_optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
+    *,
+    layers: Callable[[Any], Any] = default_layers,
+) -> Callable[[DiLoCoState, PyTree], tuple[DiLoCoState, StepMetrics]]:
+    """The global step `(state, batch) -> (state, metrics)`; the state is donated.
+
+    `batch` leaves have a leading axis of GBS rows; island k gets rows [k·GBS/K, (k+1)·GBS/K).
+    `loss_fn(model, island_batch)` returns a scalar. `layers` points at the layer stack.
+    """
+    schedule = Schedule.from_config(cfg)
+    islands.check_divides(cfg.num_replicas, mesh)
+    outer_tx = outer_optimizer(cfg)
+    alpha = float(cfg.alpha) if cfg.streaming else 0.0
+    k = cfg.num_replicas
+
+    def params(tree):
+        return eqx.filter(tree, eqx.is_inexact_array)
+
+    def run(state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, dict[str, Array]]:
+        frags = Fragmentation.from_model(state.outer_model, cfg, layers)
+        inner_arrays, inner_static = eqx.partition(state.inner_model, eqx.is_array)
+
+        def island_step(model_arrays, opt_state, island_batch):
+            model = eqx.combine(model_arrays, inner_static)
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, island_batch)
+            updates, opt_state = inner_optimizer.update(grads, opt_state, params(model))
+            model = eqx.apply_updates(model, updates)
+            return eqx.filter(model, eqx.is_array), opt_state, loss
+
+        def sync_branch(f):
+            def sync(inner, outer, outer_opt):
+                outer_f = frags.take(params(outer), f)
+                deltas = jax.vmap(lambda m: pseudo_gradient(outer_f, frags.take(params(m), f)))(
+                    inner
+                )
+                delta = islands.mean_over_islands(deltas, mesh)
+                opt_f = frags.take_state(outer_tx, outer_opt, f)
+                new_f, opt_f, update = outer_step(outer_tx, delta, opt_f, outer_f)
+                norms = {"pseudo_grad_norm": tree_norm(delta), "outer_update_norm": tree_norm(update)}
+                return frags.put(outer, f, new_f), frags.put_state(outer_tx, outer_opt, f, opt_f), norms
+
+            return sync
+
+        def no_sync(inner, outer, outer_opt):
+            zero = jnp.zeros((), jnp.float32)
+            return outer, outer_opt, {"pseudo_grad_norm": zero, "outer_update_norm": zero}
+
+        def apply_branch(f):
+            def apply(inner, outer):
+                outer_f = frags.take(params(outer), f)
+                return jax.vmap(
+                    lambda m: frags.put(m, f, blend(frags.take(params(m), f), outer_f, alpha))
+                )(inner)
+
+            return apply
+
+        def on_fragment(f, make_branch, *operands):
+            branches = [make_branch(i) for i in range(schedule.num_fragments)]
+            if len(branches) == 1:
+                return branches[0](*operands)
+            return lax.switch(f, branches, *operands)
+
+        def body(inner, inner_opt, outer, outer_opt, step, island_batches):
+            inner, inner_opt, losses = jax.vmap(island_step)(inner, inner_opt, island_batches)
+            t = step + 1
+            with jax.named_scope("diloco_sync"):
+                outer, outer_opt, norms = lax.cond(
+                    schedule.is_sync_traced(t),
+                    lambda *ops: on_fragment(schedule.fragment_at_traced(t), sync_branch, *ops),
+                    no_sync,
+                    inner,
+                    outer,
+                    outer_opt,
+                )
+            if alpha != 1.0:  # α = 1 keeps every local fragment: the apply is the identity
+                with jax.named_scope("diloco_apply"):
+                    inner = lax.cond(
+                        schedule.is_apply_traced(t),
+                        lambda *ops: on_fragment(
+                            schedule.fragment_at_traced(t - schedule.overlap_steps),
+                            apply_branch,
+                            *ops,
+                        ),
+                        lambda inner, outer: inner,
+                        inner,
+                        outer,
+                    )
+            return inner, inner_opt, outer, outer_opt, t, losses, norms
+
+        R, I = islands.REPLICATED, islands.ISLANDS
+        sharded_body = islands.shard_islands(
+            body, mesh, in_specs=(I, I, R, R, R, I), out_specs=(I, I, R, R, R, I, R)
+        )
+        outer_arrays, outer_static = eqx.partition(state.outer_model, eqx.is_array)
+        inner, inner_opt, outer, outer_opt, t, losses, norms = sharded_body(
+            inner_arrays,
+            state.inner_opt_state,
+            outer_arrays,
+            state.outer_opt_state,
+            state.step,
+            split_batch(batch, k),
+        )
+        new_state = DiLoCoState(
+            inner_model=eqx.combine(inner, inner_static),
+            inner_opt_state=inner_opt,
+            outer_model=eqx.combine(outer, outer_static),
+            outer_opt_state=outer_opt,
+            step=t,
+        )
+        return new_state, {"step": t, "loss_island": losses, **norms}
+
+    # Donate the state, not the caller's batch: filter_jit donates every argument but the
+    # first, so the compiled function takes (batch, state).
+    compiled = eqx.filter_jit(lambda batch, state: run(state, batch), donate="all-except-first")
+
+    def train_step(state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, StepMetrics]:
+        check_batch(batch, k)
+        state, device_metrics = compiled(islands.place(batch, mesh, islands.ISLANDS), state)
+        return state, StepMetrics(device_metrics, schedule)
+
+    train_step.compiled = compiled  # exposed for lowering, HLO inspection and cache counts
+    train_step.schedule = schedule
+    return train_step
+
+
+def check_batch(batch: PyTree, num_replicas: int) -> int:
+    """GBS of a batch; ValueError unless every leaf has the same GBS, divisible by K."""
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"every batch leaf needs the same leading global-batch axis; got sizes {sizes}"
+        )
+    gbs = sizes.pop()
+    if gbs % num_replicas:
+        raise ValueError(
+            f"global batch size (GBS)={gbs} must be divisible by num_replicas (K)="
+            f"{num_replicas}: each island takes GBS/K rows"
+        )
+    return gbs
+
+
+def split_batch(batch: PyTree, num_replicas: int) -> PyTree:
+    """(GBS, ...) -> (K, GBS/K, ...): island k takes rows [k·GBS/K, (k+1)·GBS/K)."""
+    return jax.tree.map(lambda x: x.reshape(num_replicas, -1, *x.shape[1:]), batch)

@@ -1,0 +1,120 @@
+"""A small decoder-only causal language model with a scanned layer stack.
+
+Token + learned position embeddings, N pre-norm blocks (causal multi-head attention, GELU
+MLP) stacked along axis 0 of field `layers` and run with `lax.scan`, a final RMS norm and
+an output head. Calls work on one sequence; `loss_fn` vmaps over a batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from einops import einsum, rearrange
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int = 256
+    num_layers: int = 4
+    width: int = 64
+    num_heads: int = 4
+    seq_len: int = 128
+    """Longest sequence the position embedding covers."""
+    mlp_ratio: int = 4
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_layers", "width", "num_heads", "seq_len", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+        if self.width % self.num_heads:
+            raise ValueError(
+                f"width={self.width} must be divisible by num_heads={self.num_heads}"
+            )
+
+
+def _rms_norm(x: Float[Array, "T d"], scale: Float[Array, " d"]) -> Float[Array, "T d"]:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+class Block(eqx.Module):
+    """One pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    attn_norm: Float[Array, " d"]
+    qkv: Float[Array, "d three h e"]
+    out: Float[Array, "h e d"]
+    mlp_norm: Float[Array, " d"]
+    up: Float[Array, "d f"]
+    down: Float[Array, "f d"]
+
+    def __init__(self, cfg: TransformerConfig, key: PRNGKeyArray):
+        d, h = cfg.width, cfg.num_heads
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.num_layers)
+        self.attn_norm = jnp.ones((d,))
+        self.qkv = std * jax.random.normal(k1, (d, 3, h, d // h))
+        self.out = out_std * jax.random.normal(k2, (h, d // h, d))
+        self.mlp_norm = jnp.ones((d,))
+        self.up = std * jax.random.normal(k3, (d, cfg.mlp_ratio * d))
+        self.down = out_std * jax.random.normal(k4, (cfg.mlp_ratio * d, d))
+
+    def __call__(self, x: Float[Array, "T d"]) -> Float[Array, "T d"]:
+        h = _rms_norm(x, self.attn_norm)
+        q, k, v = einsum(h, self.qkv, "t d, d three h e -> three t h e")
+        attn = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+        x = x + einsum(attn, self.out, "t h e, h e d -> t d")
+        h = _rms_norm(x, self.mlp_norm)
+        return x + jax.nn.gelu(h @ self.up) @ self.down
+
+
+class Transformer(eqx.Module):
+    """Decoder-only LM; `layers` is a Block whose every leaf has a leading axis of N."""
+
+    embed: Float[Array, "V d"]
+    pos: Float[Array, "T d"]
+    layers: Block
+    final_norm: Float[Array, " d"]
+    head: Float[Array, "d V"]
+
+    def __init__(self, cfg: TransformerConfig, key: PRNGKeyArray):
+        k_embed, k_pos, k_layers, k_head = jax.random.split(key, 4)
+        self.embed = 0.02 * jax.random.normal(k_embed, (cfg.vocab_size, cfg.width))
+        self.pos = 0.02 * jax.random.normal(k_pos, (cfg.seq_len, cfg.width))
+        keys = jax.random.split(k_layers, cfg.num_layers)
+        self.layers = eqx.filter_vmap(lambda k: Block(cfg, k))(keys)
+        self.final_norm = jnp.ones((cfg.width,))
+        self.head = 0.02 * jax.random.normal(k_head, (cfg.width, cfg.vocab_size))
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers.qkv.shape[0]
+
+    def __call__(self, tokens: Int[Array, " T"]) -> Float[Array, "T V"]:
+        x = self.embed[tokens] + self.pos[: tokens.shape[0]]
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def layer(x, block_arrays):
+            return eqx.combine(block_arrays, static)(x), None
+
+        x, _ = jax.lax.scan(layer, x, dynamic)
+        return _rms_norm(x, self.final_norm) @ self.head
+
+
+def loss_fn(model: Transformer, batch: Int[Array, "B T1"]) -> Float[Array, ""]:
+    """Mean next-token cross-entropy (nats) of rows of T+1 tokens."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = jax.vmap(model)(inputs)
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        rearrange(logits, "b t v -> (b t) v"), rearrange(targets, "b t -> (b t)")
+    )
+    return jnp.mean(losses)
+
+
+def count_params(model: eqx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))

@@ -1,0 +1,203 @@
+"""An independent NumPy reading of SPEC.md, and the small model both sides train.
+
+Nothing here imports diloco_eqx: islands are a Python list of dicts of float64 arrays,
+gradients are written out by hand, and the schedule, fragments, Nesterov step and blend
+are re-derived from SPEC.md's formulas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+# ---------------------------------------------------------------- the toy model (JAX side)
+
+
+class ToyLayer(eqx.Module):
+    w: Float[Array, " d"]
+    b: Float[Array, " d"]
+
+
+class Toy(eqx.Module):
+    """A model with non-stacked leaves (embed, head), a layer stack and an int leaf."""
+
+    embed: Float[Array, " d"]
+    layers: ToyLayer
+    head: Float[Array, " d"]
+    calls: Int[Array, ""]  # not a parameter: must pass through DiLoCo untouched
+
+
+def make_toy(num_layers: int, width: int, seed: int = 0) -> Toy:
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    return Toy(
+        embed=f(width),
+        layers=ToyLayer(w=f(num_layers, width), b=f(num_layers, width)),
+        head=f(width),
+        calls=jnp.array(7, jnp.int32),
+    )
+
+
+def toy_loss(model: Toy, x: Float[Array, "B d"]) -> Float[Array, ""]:
+    """Mean over rows of 0.5‖e−x‖² + 0.5‖h⊙e−1‖² + Σ_l 0.5‖w_l⊙x−(l+1)‖² + 0.5‖b_l−2x‖²."""
+    n = model.layers.w.shape[0]
+    c = jnp.arange(1, n + 1, dtype=jnp.float32)[:, None, None]
+    e, h = model.embed[None], model.head[None]
+    w, b = model.layers.w[:, None], model.layers.b[:, None]
+    per_row = (
+        0.5 * jnp.sum((e - x) ** 2, -1)
+        + 0.5 * jnp.sum((h * e - 1.0) ** 2, -1)
+        + 0.5 * jnp.sum((w * x[None] - c) ** 2, (0, 2))
+        + 0.5 * jnp.sum((b - 2.0 * x[None]) ** 2, (0, 2))
+    )
+    return jnp.mean(per_row)
+
+
+def toy_to_numpy(model: Toy) -> dict[str, np.ndarray]:
+    return {
+        "embed": np.asarray(model.embed, np.float64),
+        "w": np.asarray(model.layers.w, np.float64),
+        "b": np.asarray(model.layers.b, np.float64),
+        "head": np.asarray(model.head, np.float64),
+    }
+
+
+# ---------------------------------------------------------------- the NumPy reference
+
+STACKED = ("w", "b")
+UNSTACKED = ("embed", "head")
+
+
+def np_loss_and_grad(p: dict, x: np.ndarray) -> tuple[float, dict]:
+    e, h, w, b = p["embed"], p["head"], p["w"], p["b"]
+    n = w.shape[0]
+    c = np.arange(1, n + 1, dtype=np.float64)[:, None, None]
+    r_e = e[None] - x
+    r_he = h[None] * e[None] - 1.0
+    r_w = w[:, None] * x[None] - c
+    r_b = b[:, None] - 2.0 * x[None]
+    loss = (
+        0.5 * (r_e**2).sum(-1) + 0.5 * (r_he**2).sum(-1)
+        + 0.5 * (r_w**2).sum((0, 2)) + 0.5 * (r_b**2).sum((0, 2))
+    ).mean()
+    grads = {
+        "embed": (r_e + r_he * h[None]).mean(0),
+        "head": (r_he * e[None]).mean(0),
+        "w": (r_w * x[None]).mean(1),
+        "b": r_b.mean(1),
+    }
+    return float(loss), grads
+
+
+@dataclasses.dataclass
+class NpSGD:
+    lr: float
+
+    def init(self, p):
+        return None
+
+    def step(self, p, g, s):
+        return {k: p[k] - self.lr * g[k] for k in p}, s
+
+
+@dataclasses.dataclass
+class NpAdamW:
+    """optax.adamw's formula: bias-corrected moments, decoupled weight decay."""
+
+    lr: float
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 1e-4
+
+    def init(self, p):
+        return {"t": 0, "m": {k: np.zeros_like(v) for k, v in p.items()},
+                "v": {k: np.zeros_like(v) for k, v in p.items()}}
+
+    def step(self, p, g, s):
+        t = s["t"] + 1
+        m = {k: self.b1 * s["m"][k] + (1 - self.b1) * g[k] for k in p}
+        v = {k: self.b2 * s["v"][k] + (1 - self.b2) * g[k] ** 2 for k in p}
+        new = {}
+        for k in p:
+            mh, vh = m[k] / (1 - self.b1**t), v[k] / (1 - self.b2**t)
+            new[k] = p[k] - self.lr * (mh / (np.sqrt(vh) + self.eps) + self.weight_decay * p[k])
+        return new, {"t": t, "m": m, "v": v}
+
+
+def np_fragment_layers(order: str, n: int, p: int) -> list[list[int]]:
+    """Layer indices of fragments 1..P-1, straight from SPEC.md's definitions."""
+    if order == "interleaved":
+        return [[l for l in range(n) if l % (p - 1) == i - 1] for i in range(1, p)]
+    m = n // (p - 1)
+    return [[l for l in range(n) if l // m == i - 1] for i in range(1, p)]
+
+
+def np_run(
+    model0: dict,
+    batches: list[np.ndarray],
+    *,
+    k: int,
+    h: int,
+    inner,
+    streaming: bool = False,
+    p: int = 1,
+    order: str = "interleaved",
+    v: int = 0,
+    alpha: float = 0.0,
+    outer_lr: float = 0.7,
+    momentum: float = 0.9,
+):
+    """Run SPEC.md's algorithm; returns (per-step island losses, outer params, islands)."""
+    islands = [{n: a.copy() for n, a in model0.items()} for _ in range(k)]
+    states = [inner.init(isl) for isl in islands]
+    outer = {n: a.copy() for n, a in model0.items()}
+    trace = {n: np.zeros_like(a) for n, a in model0.items()}
+    if streaming:
+        dh = max(1, round(h / p))
+        heff = p * dh
+        groups = np_fragment_layers(order, model0["w"].shape[0], p)
+
+        def masks(f):  # per-leaf index into the leaf: which entries fragment f owns
+            if f == 0:
+                return {n: (slice(None) if n in UNSTACKED else None) for n in model0}
+            return {n: (groups[f - 1] if n in STACKED else None) for n in model0}
+    else:
+        dh, heff = h, h
+
+        def masks(f):
+            return {n: slice(None) for n in model0}
+
+    losses = []
+    for step_idx, x in enumerate(batches):
+        rows = np.split(x.astype(np.float64), k)
+        step_losses = []
+        for i in range(k):
+            loss, g = np_loss_and_grad(islands[i], rows[i])
+            islands[i], states[i] = inner.step(islands[i], g, states[i])
+            step_losses.append(loss)
+        losses.append(step_losses)
+        t = step_idx + 1
+        if t > 0 and t % dh == 0:  # sync
+            f = (t % heff) // dh
+            for n, idx in masks(f).items():
+                if idx is None:
+                    continue
+                delta = np.mean([outer[n][idx] - isl[n][idx] for isl in islands], axis=0)
+                trace[n][idx] = delta + momentum * trace[n][idx]
+                outer[n][idx] = outer[n][idx] - outer_lr * (delta + momentum * trace[n][idx])
+        ta = t - (v if streaming else 0)
+        if ta > 0 and ta % dh == 0:  # apply
+            f = (ta % heff) // dh
+            a = alpha if streaming else 0.0
+            for n, idx in masks(f).items():
+                if idx is None:
+                    continue
+                for isl in islands:
+                    isl[n][idx] = a * isl[n][idx] + (1 - a) * outer[n][idx]
+    return np.array(losses), outer, islands

@@ -1,0 +1,199 @@
+"""make_train_step against the independent NumPy reference, and its degenerate cases."""
+
+import itertools
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
+
+N_LAYERS, WIDTH, GBS = 4, 3, 8
+
+
+def batches(steps, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(GBS, WIDTH)).astype(np.float32) for _ in range(steps)]
+
+
+def run_jax(cfg, inner, data, mesh=None, model=None):
+    model = make_toy(N_LAYERS, WIDTH) if model is None else model
+    state = dl.init_state(model, inner, cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh)
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
+    return np.array(losses), state
+
+
+def assert_matches_reference(cfg, inner_jax, inner_np, steps):
+    data = batches(steps)
+    losses, state = run_jax(cfg, inner_jax, data)
+    ref_losses, ref_outer, ref_islands = np_run(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)),
+        data,
+        k=cfg.num_replicas,
+        h=cfg.sync_period,
+        inner=inner_np,
+        streaming=cfg.streaming,
+        p=cfg.num_fragments,
+        order=cfg.fragment_order,
+        v=cfg.overlap_steps,
+        alpha=cfg.alpha,
+        outer_lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum,
+    )
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+    outer = toy_to_numpy(state.outer_model)
+    for name in outer:
+        np.testing.assert_allclose(outer[name], ref_outer[name], rtol=2e-5, atol=2e-5)
+    for i, isl in enumerate(ref_islands):
+        got = toy_to_numpy(state.island(i))
+        for name in got:
+            np.testing.assert_allclose(got[name], isl[name], rtol=2e-5, atol=2e-5)
+    assert int(state.outer_model.calls) == 7 and np.all(np.asarray(state.inner_model.calls) == 7)
+    assert int(state.step) == steps
+
+
+STREAMING_GRID = list(
+    itertools.product(["interleaved", "sequential"], [0, 1, 2], [0.0, 0.5, 1.0])
+)
+
+
+@pytest.mark.parametrize("order,v,alpha", STREAMING_GRID)
+def test_streaming_matches_reference_sgd(order, v, alpha):
+    # H=6, P=3: Δh=2, H_eff=6; 3·H_eff = 18 steps.
+    cfg = dl.DiLoCoConfig(
+        num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+        fragment_order=order, overlap_steps=v, alpha=alpha, outer_lr=0.7, outer_momentum=0.9,
+    )
+    assert_matches_reference(cfg, optax.sgd(0.05), NpSGD(0.05), steps=18)
+
+
+@pytest.mark.parametrize(
+    "k,order,v,alpha",
+    [(1, "interleaved", 1, 0.5), (1, "sequential", 2, 0.0), (4, "interleaved", 2, 0.5),
+     (4, "sequential", 1, 1.0), (4, "interleaved", 0, 0.0)],
+)
+def test_streaming_matches_reference_adamw(k, order, v, alpha):
+    # H=10, P=5: Δh=2, H_eff=10 (fragments of one layer each); 3·H_eff = 30 steps.
+    cfg = dl.DiLoCoConfig(
+        num_replicas=k, sync_period=10, streaming=True, num_fragments=5,
+        fragment_order=order, overlap_steps=v, alpha=alpha, outer_lr=0.5, outer_momentum=0.8,
+    )
+    assert_matches_reference(cfg, optax.adamw(0.01, weight_decay=1e-4), NpAdamW(0.01), steps=30)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_vanilla_matches_reference(k, opt):
+    cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=5, outer_lr=0.7, outer_momentum=0.9)
+    inner = (optax.sgd(0.05), NpSGD(0.05)) if opt == "sgd" else (
+        optax.adamw(0.01, weight_decay=1e-4), NpAdamW(0.01))
+    assert_matches_reference(cfg, *inner, steps=15)
+
+
+def test_h_not_multiple_of_p_matches_reference():
+    # H=7, P=3: Δh=round(2.33)=2, H_eff=6 (with a warning).
+    with pytest.warns(UserWarning, match="H_eff=6"):
+        cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=7, streaming=True, num_fragments=3,
+                              overlap_steps=1, alpha=0.5)
+    assert_matches_reference(cfg, optax.sgd(0.05), NpSGD(0.05), steps=18)
+
+
+def test_one_island_every_step_is_plain_training():
+    """K=1, H=1, η_outer=1, β=0: the outer step copies the island, i.e. plain training."""
+    cfg = dl.DiLoCoConfig(num_replicas=1, sync_period=1, outer_lr=1.0, outer_momentum=0.0)
+    inner = optax.adamw(0.01)
+    data = batches(12)
+    losses, state = run_jax(cfg, inner, data)
+
+    model = make_toy(N_LAYERS, WIDTH)
+    params = model
+    opt_state = inner.init(eqx.filter(params, eqx.is_inexact_array))
+    plain = []
+    for x in data:
+        loss, grads = eqx.filter_value_and_grad(toy_loss)(params, x)
+        updates, opt_state = inner.update(grads, opt_state, eqx.filter(params, eqx.is_inexact_array))
+        params = eqx.apply_updates(params, updates)
+        plain.append(float(loss))
+    np.testing.assert_allclose(losses[:, 0], plain, rtol=1e-6)
+    for got, want in zip(jax.tree.leaves(state.outer_model), jax.tree.leaves(params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
+def test_alpha_one_islands_train_independently_while_outer_moves():
+    """Streaming with α=1: islands equal K separate plain runs; the outer model still moves."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+                          overlap_steps=1, alpha=1.0)
+    inner = optax.sgd(0.05)
+    data = batches(12)
+    model = make_toy(N_LAYERS, WIDTH)
+    state = dl.init_state(model, inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    outer_before = toy_to_numpy(state.outer_model)
+    for t, x in enumerate(data, start=1):
+        prev = toy_to_numpy(state.outer_model)
+        state, m = step(state, x)
+        now = toy_to_numpy(state.outer_model)
+        moved = {n for n in now if not np.array_equal(now[n], prev[n])}
+        f = dl.Schedule.from_config(cfg).sync_fragment(t)
+        if f is None:
+            assert not moved, f"outer params moved without a sync at t={t}"
+        else:
+            expected = {"embed", "head"} if f == 0 else {"w", "b"}
+            assert moved == expected, (t, f, moved)
+    assert not np.allclose(toy_to_numpy(state.outer_model)["embed"], outer_before["embed"])
+    for i in range(2):
+        params = model
+        for x in data:
+            grads = eqx.filter_grad(toy_loss)(params, x[i * 4:(i + 1) * 4])
+            params = eqx.apply_updates(params, jax.tree.map(lambda g: -0.05 * g, grads))
+        got = toy_to_numpy(state.island(i))
+        for name, want in toy_to_numpy(params).items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+
+
+def test_gbs_not_divisible_by_k():
+    cfg = dl.DiLoCoConfig(num_replicas=3, sync_period=2)
+    inner = optax.sgd(0.1)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    with pytest.raises(ValueError, match=r"global batch size \(GBS\)=8 .*num_replicas \(K\)=3"):
+        step(state, batches(1)[0])
+
+
+def test_state_is_donated_and_model_untouched():
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=2)
+    inner = optax.sgd(0.1)
+    model = make_toy(N_LAYERS, WIDTH)
+    state = dl.init_state(model, inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    x = batches(1)[0]
+    new_state, _ = step(state, x)
+    assert state.outer_model.embed.is_deleted()
+    assert not model.embed.is_deleted() and np.isfinite(np.asarray(x)).all()
+    step(new_state, x)
+
+
+def test_metrics_report_sync_and_apply():
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=12, streaming=True, num_fragments=4,
+                          overlap_steps=1)
+    inner = optax.sgd(0.05)
+    model = make_toy(3, WIDTH)
+    state = dl.init_state(model, inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    seen = {}
+    for x in batches(13):
+        state, m = step(state, x)
+        seen[m["step"]] = dict(m)
+    assert seen[3]["sync_fragment"] == 1 and "apply_fragment" not in seen[3]
+    assert seen[4]["apply_fragment"] == 1 and "sync_fragment" not in seen[4]
+    assert seen[12]["sync_fragment"] == 0 and seen[13]["apply_fragment"] == 0
+    assert seen[3]["pseudo_grad_norm"] > 0 and seen[3]["outer_update_norm"] > 0
+    assert "pseudo_grad_norm" not in seen[5]
+    assert seen[5]["loss"] == pytest.approx((seen[5]["loss_island_0"] + seen[5]["loss_island_1"]) / 2)
