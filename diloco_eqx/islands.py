@@ -81,6 +81,14 @@ def mean_over_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
     return jax.tree.map(mean, tree)
 
 
+def island_local(tree: PyTree, mesh: Mesh | None) -> PyTree:
+    """Replicated values (the outer model) as per-island ones, for writing into islands:
+    shard_map's type check requires both branches of a `lax.cond` to agree."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda x: lax.pcast(x, AXIS, to="varying"), tree)
+
+
 def place(tree: PyTree, mesh: Mesh | None, spec: P) -> PyTree:
     """Lay the array leaves of `tree` out on `mesh` with partition spec `spec`."""
     if mesh is None:

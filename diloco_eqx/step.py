@@ -129,7 +129,7 @@ def make_train_step(
 
         def apply_branch(f):
             def apply(inner, outer):
-                outer_f = frags.take(params(outer), f)
+                outer_f = islands.island_local(frags.take(params(outer), f), mesh)
                 return jax.vmap(
                     lambda m: frags.put(m, f, blend(frags.take(params(m), f), outer_f, alpha))
                 )(inner)
@@ -200,7 +200,11 @@ def make_train_step(
         state, device_metrics = compiled(islands.place(batch, mesh, islands.ISLANDS), state)
         return state, StepMetrics(device_metrics, schedule)
 
-    train_step.compiled = compiled  # exposed for lowering, HLO inspection and cache counts
+    def lower(state: DiLoCoState, batch: PyTree) -> jax.stages.Lowered:
+        """The step lowered for these arguments: `.compile().as_text()` is its HLO."""
+        return compiled.lower(islands.place(batch, mesh, islands.ISLANDS), state).lowered
+
+    train_step.lower = lower
     train_step.schedule = schedule
     return train_step
 

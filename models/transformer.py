@@ -40,7 +40,7 @@ class TransformerConfig:
 
 
 def _rms_norm(x: Float[Array, "T d"], scale: Float[Array, " d"]) -> Float[Array, "T d"]:
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale[None]
 
 
 class Block(eqx.Module):

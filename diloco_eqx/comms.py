@@ -1,0 +1,143 @@
+"""What crosses the diloco axis: cross-device collectives read from compiled HLO.
+
+`collectives(hlo_text)` lists every collective of a compiled program with its bytes and
+the computation it sits in; `unconditional_computations(hlo_text)` is the set of
+computations that run on every call (reachable from ENTRY without entering a
+`conditional` branch). A collective outside that set only runs when its branch is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+COLLECTIVE_OPS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_CALLEE = re.compile(
+    r"\b(to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One cross-device collective instruction of a compiled program."""
+
+    kind: str
+    name: str
+    computation: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    """(dtype, dims) of each array the collective produces."""
+    op_name: str
+    """JAX's name stack for the op (named scopes such as "diloco_sync" show up here)."""
+
+    @property
+    def bytes(self) -> int:
+        total = 0
+        for dtype, dims in self.shapes:
+            n = 1
+            for d in dims:
+                n *= d
+            total += n * DTYPE_BYTES[dtype]
+        return total
+
+
+def _parse(hlo: str):
+    """{computation: [instruction lines]} and the name of the ENTRY computation."""
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo.splitlines():
+        if current is None:
+            m = _COMPUTATION.match(line)
+            if m and "=" not in line.split("(")[0]:
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+        elif line.strip() == "}":
+            current = None
+        else:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation found in the HLO text")
+    return comps, entry
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every cross-device collective in compiled HLO text (async `-start` forms included)."""
+    comps, _ = _parse(hlo)
+    found = []
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            name, out_type, op = m.group(1), m.group(2), m.group(3)
+            kind = op.removesuffix("-start")
+            if kind not in COLLECTIVE_OPS or op.endswith("-done"):
+                continue
+            shapes = tuple(
+                (dt, tuple(int(d) for d in dims.split(",") if d))
+                for dt, dims in _ARRAY.findall(out_type)
+                if dt in DTYPE_BYTES
+            )
+            if op.endswith("-start") and len(shapes) > 1:
+                shapes = shapes[len(shapes) // 2 :]  # (operands, results) tuple: keep results
+            op_name = _OP_NAME.search(line)
+            found.append(Collective(kind, name, comp, shapes, op_name.group(1) if op_name else ""))
+    return found
+
+
+def unconditional_computations(hlo: str) -> set[str]:
+    """Computations run on every call: reachable from ENTRY without a conditional branch."""
+    comps, entry = _parse(hlo)
+    seen, todo = {entry}, [entry]
+    while todo:
+        for line in comps.get(todo.pop(), []):
+            if " conditional(" in line:
+                continue  # its branches run only when taken
+            for _, callee in _CALLEE.findall(line):
+                if callee in comps and callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+    return seen
+
+
+def branch_computations(hlo: str) -> set[str]:
+    """Computations that are a branch of some conditional (or called from one)."""
+    comps, _ = _parse(hlo)
+    roots = set()
+    for lines in comps.values():
+        for line in lines:
+            m = _BRANCHES.search(line)
+            if m:
+                roots |= {c.strip().lstrip("%") for c in m.group(1).split(",")}
+            if " conditional(" in line:
+                roots |= {c for key, c in _CALLEE.findall(line) if key.endswith("computation")}
+    seen, todo = set(roots), list(roots)
+    while todo:
+        for line in comps.get(todo.pop(), []):
+            for _, callee in _CALLEE.findall(line):
+                if callee in comps and callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+    return seen

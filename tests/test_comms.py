@@ -1,0 +1,50 @@
+"""comms: reading collectives and branch structure out of HLO text."""
+
+from diloco_eqx import comms
+
+HLO = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%sync_branch (p: (f32[4,3], bf16[8])) -> (f32[4,3], bf16[8]) {
+  %p = (f32[4,3], bf16[8]) parameter(0)
+  %all-reduce = (f32[4,3]{1,0}, bf16[8]{0}) all-reduce(%x, %y), channel_id=1, to_apply=%add, metadata={op_name="jit(f)/diloco_sync/psum"}
+  ROOT %t = (f32[4,3], bf16[8]) tuple(%all-reduce)
+}
+
+%skip_branch (p: (f32[4,3], bf16[8])) -> (f32[4,3], bf16[8]) {
+  ROOT %p = (f32[4,3], bf16[8]) parameter(0)
+}
+
+%fused (x: f32[2]) -> f32[2] {
+  ROOT %x = f32[2] parameter(0)
+}
+
+ENTRY %main (x: f32[2]) -> f32[2] {
+  %x = f32[2] parameter(0)
+  %ag-start = (f32[2]{0}, f32[8]{0}) all-gather-start(%x), dimensions={0}
+  %ag-done = f32[8]{0} all-gather-done(%ag-start)
+  %f = f32[2] fusion(%x), kind=kLoop, calls=%fused
+  %c = (f32[4,3], bf16[8]) conditional(%pred, %t1, %t2), branch_computations={%sync_branch, %skip_branch}
+  ROOT %r = f32[2] copy(%f)
+}
+"""
+
+
+def test_collectives_kinds_bytes_and_places():
+    found = {c.name: c for c in comms.collectives(HLO)}
+    assert set(found) == {"all-reduce", "ag-start"}
+    ar = found["all-reduce"]
+    assert (ar.kind, ar.computation, ar.bytes) == ("all-reduce", "sync_branch", 4 * 3 * 4 + 8 * 2)
+    assert "diloco_sync" in ar.op_name
+    ag = found["ag-start"]
+    assert (ag.kind, ag.computation, ag.bytes) == ("all-gather", "main", 8 * 4)
+
+
+def test_unconditional_and_branch_computations():
+    assert comms.unconditional_computations(HLO) == {"main", "fused"}
+    assert comms.branch_computations(HLO) == {"sync_branch", "skip_branch", "add"}

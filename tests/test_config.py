@@ -1,0 +1,64 @@
+"""DiLoCoConfig validation: every error and warning names its knob."""
+
+import warnings
+
+import pytest
+
+import diloco_eqx as dl
+
+ERRORS = [
+    (dict(num_replicas=0), r"num_replicas \(K\) must be an integer >= 1; got 0"),
+    (dict(num_replicas=2.0), r"num_replicas \(K\)"),
+    (dict(sync_period=0), r"sync_period \(H\) must be an integer >= 1"),
+    (dict(streaming=True, num_fragments=1), r"num_fragments \(P\) with streaming=True must be an integer >= 2"),
+    (dict(alpha=1.5, streaming=True), r"alpha \(α\) must be a number in \[0, 1\]; got 1.5"),
+    (dict(alpha=-0.1, streaming=True), r"alpha \(α\) must be a number in \[0, 1\]"),
+    (dict(overlap_steps=-1, streaming=True), r"overlap_steps \(V\) must be an integer >= 0"),
+    (dict(streaming=True, sync_period=12, num_fragments=4, overlap_steps=12),
+     r"overlap_steps \(V\) must be in \[0, H_eff\) = \[0, 12\)"),
+    (dict(outer_lr=0.0), r"outer_lr \(η_outer\) must be a number in \(0, inf\); got 0.0"),
+    (dict(outer_lr=-1.0), r"outer_lr \(η_outer\)"),
+    (dict(outer_momentum=1.0), r"outer_momentum \(β\) must be a number in \[0, 1\); got 1.0"),
+    (dict(outer_momentum=-0.5), r"outer_momentum \(β\)"),
+    (dict(streaming=True, fragment_order="zigzag"), r"fragment_order must be one of \('interleaved', 'sequential'.*got 'zigzag'"),
+    (dict(streaming="yes"), r"streaming must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", ERRORS)
+def test_errors_name_the_knob(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dl.DiLoCoConfig(**kwargs)
+
+
+def test_h_not_multiple_of_p_warns_with_both_periods():
+    with pytest.warns(UserWarning, match=r"sync_period \(H\)=100 .*num_fragments \(P\)=37.*H_eff=111, not 100"):
+        dl.DiLoCoConfig(streaming=True, sync_period=100, num_fragments=37)
+
+
+@pytest.mark.parametrize("kwargs", [dict(overlap_steps=2), dict(alpha=0.5)])
+def test_v_or_alpha_without_streaming_warns(kwargs):
+    with pytest.warns(UserWarning, match=r"overlap_steps \(V\).*alpha \(α\).*no effect with streaming=False"):
+        cfg = dl.DiLoCoConfig(**kwargs)
+    assert dl.Schedule.from_config(cfg).overlap_steps == 0
+
+
+def test_defaults_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dl.DiLoCoConfig()
+        dl.DiLoCoConfig(streaming=True, sync_period=12, num_fragments=4, overlap_steps=1, alpha=0.5)
+
+
+def test_from_maxtext():
+    cfg = dl.DiLoCoConfig.from_maxtext({
+        "num_diloco_replicas": 4, "diloco_sync_period": 12, "num_diloco_fragments": 4,
+        "enable_streaming_diloco": True, "use_sequential_layers": True,
+        "num_communication_overlapping_steps": 1, "communication_overlapping_alpha": 0.5,
+        "diloco_outer_lr": 0.5, "diloco_outer_momentum": 0.8, "base_emb_dim": 512,
+    })
+    assert cfg == dl.DiLoCoConfig(num_replicas=4, sync_period=12, num_fragments=4, streaming=True,
+                                  fragment_order="sequential", overlap_steps=1, alpha=0.5,
+                                  outer_lr=0.5, outer_momentum=0.8)
+    with pytest.raises(ValueError, match=r"outer_momentum \(β\)"):
+        dl.DiLoCoConfig.from_maxtext({"diloco_outer_momentum": 1.2})

@@ -1,0 +1,110 @@
+"""Fragmentation: which leaves and layers each fragment owns, read and written in place."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from diloco_eqx.fragments import Fragmentation
+from tests.reference import make_toy
+
+
+def cfg(p, order="interleaved"):
+    return dl.DiLoCoConfig(streaming=True, num_fragments=p, sync_period=2 * p, fragment_order=order)
+
+
+def params(model):
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+ORDERS = ["interleaved", "sequential", lambda n, p: ((5, 0), (1, 3), (2, 4))]
+
+
+@pytest.mark.parametrize("order", ORDERS, ids=["interleaved", "sequential", "irregular"])
+def test_take_and_put_match_numpy_indexing(order):
+    model = make_toy(6, 3)
+    frags = Fragmentation.from_model(model, cfg(4, order))
+    p = params(model)
+    w = np.asarray(p.layers.w)
+    f0 = frags.take(p, 0)
+    assert f0.layers.w is None and f0.calls is None
+    np.testing.assert_array_equal(f0.embed, p.embed)
+    for f in (1, 2, 3):
+        idx = list(frags.layer_indices(f))
+        part = frags.take(p, f)
+        assert part.embed is None and part.head is None
+        np.testing.assert_array_equal(part.layers.w, w[idx])
+        new = jax.tree.map(lambda x: x + 100.0, part)
+        out = frags.put(p, f, new)
+        want = w.copy()
+        want[idx] += 100.0
+        np.testing.assert_array_equal(out.layers.w, want)
+        np.testing.assert_array_equal(out.embed, p.embed)  # untouched outside f
+    assert sorted(i for f in (1, 2, 3) for i in frags.layer_indices(f)) == list(range(6))
+
+
+@pytest.mark.parametrize("order", ["interleaved", "sequential"])
+def test_builtin_orders_need_no_gather_or_scatter(order):
+    frags = Fragmentation.from_model(make_toy(6, 3), cfg(4, order))
+    p = params(make_toy(6, 3))
+    for f in (1, 2, 3):
+        jaxpr = str(jax.make_jaxpr(lambda t: frags.put(t, f, frags.take(t, f)))(p))
+        assert "gather" not in jaxpr and "scatter" not in jaxpr, jaxpr
+
+
+def test_irregular_order_falls_back_to_gather():
+    frags = Fragmentation.from_model(make_toy(6, 3), cfg(4, lambda n, p: ((5, 0), (1, 3), (2, 4))))
+    jaxpr = str(jax.make_jaxpr(lambda t: frags.take(t, 1))(params(make_toy(6, 3))))
+    assert "gather" in jaxpr
+
+
+def test_vanilla_is_one_fragment_of_everything():
+    model = make_toy(4, 3)
+    frags = Fragmentation.from_model(model, dl.DiLoCoConfig())
+    assert frags.num_fragments == 1
+    assert frags.param_counts(params(model)) == [3 + 2 * 4 * 3 + 3]
+
+
+def test_param_counts_partition_the_model():
+    model = make_toy(6, 3)
+    frags = Fragmentation.from_model(model, cfg(4))
+    assert frags.param_counts(params(model)) == [6, 12, 12, 12]
+
+
+@pytest.mark.parametrize("tx", [optax.sgd(0.7, momentum=0.9, nesterov=True), optax.adamw(1e-3)],
+                         ids=["nesterov", "adamw"])
+def test_optimizer_state_fragments(tx):
+    model = make_toy(6, 3)
+    frags = Fragmentation.from_model(model, cfg(4, "interleaved"))
+    state = tx.init(params(model))
+    state = jax.tree.map(lambda x: x + 1.0 if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    part = frags.take_state(tx, state, 2)
+    bumped = jax.tree.map(lambda x: x * 10.0 if jnp.issubdtype(x.dtype, jnp.floating) else x, part)
+    new = frags.put_state(tx, state, 2, bumped)
+    for old_leaf, new_leaf, path in zip(jax.tree.leaves(state), jax.tree.leaves(new),
+                                        jax.tree_util.tree_flatten_with_path(state)[0]):
+        keys = jax.tree_util.keystr(path[0])
+        if ".layers" in keys:
+            want = np.asarray(old_leaf).copy()
+            want[[1, 4]] *= 10.0
+            np.testing.assert_array_equal(new_leaf, want)
+        elif jnp.issubdtype(old_leaf.dtype, jnp.floating):
+            np.testing.assert_array_equal(new_leaf, old_leaf)
+
+
+def test_streaming_needs_a_layer_stack():
+    class Flat(eqx.Module):
+        layers: jax.Array
+
+    with pytest.raises(ValueError, match="every leaf of the layer stack"):
+        Fragmentation.from_model(Flat(jnp.ones(())), cfg(2))
+    with pytest.raises(ValueError, match="`layers` must point at the model's stacked layer module"):
+        Fragmentation.from_model(make_toy(4, 3), cfg(3), layers=lambda m: m.blocks)
+
+
+def test_layers_not_divisible_at_init_state():
+    with pytest.raises(ValueError, match=r"num_fragments \(P\) - 1 must divide the number of layers: 4 layers"):
+        dl.init_state(make_toy(4, 3), optax.sgd(0.1), cfg(4))
