@@ -141,3 +141,28 @@ def branch_computations(hlo: str) -> set[str]:
                     seen.add(callee)
                     todo.append(callee)
     return seen
+
+
+# ---------------------------------------------------------------- byte accounting
+
+
+def sync_bytes(fragment_params: int, bytes_per_param: int = 4) -> int:
+    """Bytes one island sends to all-reduce a fragment of `fragment_params` values: 2·|Θ_f|·b
+    (a ring all-reduce moves each value out twice: reduce-scatter, then all-gather)."""
+    return 2 * fragment_params * bytes_per_param
+
+
+def bytes_sent(
+    t: int, fragment_params: list[int], schedule=None, bytes_per_param: int = 4
+) -> int:
+    """Bytes one island has sent after t steps: every step all parameters (DDP, schedule=None),
+    or at each sync of fragment f its own 2·|Θ_f|·b (DiLoCo; one fragment when vanilla)."""
+    if schedule is None:
+        return t * sync_bytes(sum(fragment_params), bytes_per_param)
+    p = schedule.num_fragments
+    syncs = max(t, 0) // schedule.steps_between_syncs  # sync j fires at j·Δh on fragment j mod P
+    total = 0
+    for f, n_params in enumerate(fragment_params):
+        count = syncs // p + (1 if 0 < f <= syncs % p else 0)
+        total += count * sync_bytes(n_params, bytes_per_param)
+    return total

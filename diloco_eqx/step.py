@@ -35,12 +35,15 @@ class StepMetrics(Mapping):
     """The step's metrics, fetched from the device on first access (so the host can
     dispatch the next step before reading this one).
 
-    Keys: "step" (t), "loss" (mean over islands), "loss_island_{i}"; on sync steps also
-    "sync_fragment", "pseudo_grad_norm" (norm of the mean pseudo-gradient) and
-    "outer_update_norm"; on apply steps "apply_fragment".
+    Keys: "step" (t), "loss" (mean over islands), "loss_island_{i}", any other scalar the
+    step reports; with a schedule, on sync steps also "sync_fragment", "pseudo_grad_norm"
+    (norm of the mean pseudo-gradient) and "outer_update_norm", on apply steps
+    "apply_fragment".
     """
 
-    def __init__(self, device_metrics: dict[str, Array], schedule: Schedule):
+    SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm")
+
+    def __init__(self, device_metrics: dict[str, Array], schedule: Schedule | None = None):
         self._device = device_metrics
         self._schedule = schedule
         self._host: dict[str, float | int] | None = None
@@ -52,14 +55,18 @@ class StepMetrics(Mapping):
             losses = np.asarray(m["loss_island"], np.float64)
             host: dict[str, float | int] = {"step": t, "loss": float(losses.mean())}
             host.update({f"loss_island_{i}": float(x) for i, x in enumerate(losses)})
-            synced = self._schedule.sync_fragment(t)
-            if synced is not None:
-                host["sync_fragment"] = synced
-                host["pseudo_grad_norm"] = float(m["pseudo_grad_norm"])
-                host["outer_update_norm"] = float(m["outer_update_norm"])
-            applied = self._schedule.apply_fragment(t)
-            if applied is not None:
-                host["apply_fragment"] = applied
+            host.update(
+                {k: float(v) for k, v in m.items()
+                 if k not in ("step", "loss_island", *self.SYNC_KEYS)}
+            )
+            if self._schedule is not None:
+                synced = self._schedule.sync_fragment(t)
+                if synced is not None:
+                    host["sync_fragment"] = synced
+                    host.update({k: float(m[k]) for k in self.SYNC_KEYS})
+                applied = self._schedule.apply_fragment(t)
+                if applied is not None:
+                    host["apply_fragment"] = applied
             self._host = host
         return self._host
 

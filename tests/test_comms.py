@@ -48,3 +48,20 @@ def test_collectives_kinds_bytes_and_places():
 def test_unconditional_and_branch_computations():
     assert comms.unconditional_computations(HLO) == {"main", "fused"}
     assert comms.branch_computations(HLO) == {"sync_branch", "skip_branch", "add"}
+
+
+def test_bytes_sent_matches_a_step_by_step_count():
+    import diloco_eqx as dl
+
+    params = [5, 7, 11, 13]
+    for sched in (dl.Schedule(12, 4, 1), dl.Schedule(10, 4), dl.Schedule(7, 3, 2), dl.Schedule(5)):
+        per_fragment = params[: sched.num_fragments]
+        if sched.num_fragments == 1:
+            per_fragment = [sum(params)]
+        total = 0
+        for t in range(1, 60):
+            f = sched.sync_fragment(t)
+            if f is not None:
+                total += 2 * per_fragment[f] * 4
+            assert comms.bytes_sent(t, per_fragment, sched) == total, (sched, t)
+    assert comms.bytes_sent(3, [10, 20]) == 3 * 2 * 30 * 4  # DDP: everything, every step

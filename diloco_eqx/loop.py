@@ -1,0 +1,164 @@
+"""The training loop: steps, progress, held-out evaluation, JSONL metrics, checkpoints.
+
+The loop dispatches step t+1 before it reads step t's metrics, so the host never makes the
+device wait for logging. Everything it needs to continue a run (state, data iterator
+position, RNG, elapsed time) goes into each checkpoint; `metrics.jsonl` lines past the
+restored step are dropped on resume, so a resumed run's file reads as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from diloco_eqx.checkpoint import Checkpointer
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    steps: int
+    """Train until the global step t reaches this."""
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    tokens_per_step: int = 0
+    progress: bool = True
+
+
+class JsonlWriter:
+    """Appends one JSON object per line; on resume keeps only lines up to `keep_through`."""
+
+    def __init__(self, path: str | os.PathLike, keep_through: int | None = None):
+        self.path = Path(path)
+        if keep_through is not None and self.path.exists():
+            kept = [
+                line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= keep_through
+            ]
+            _atomic_write(self.path, "".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write JSON so that a reader never sees half a file."""
+    _atomic_write(Path(path), json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def mean_loss(loss_fn: Callable, model: eqx.Module, batches: list[np.ndarray]) -> float:
+    """Mean of `loss_fn` over equally sized held-out batches."""
+    fn = _jitted_loss(loss_fn)
+    return float(np.mean([float(fn(model, b)) for b in batches]))
+
+
+_LOSS_CACHE: dict[Callable, Callable] = {}
+
+
+def _jitted_loss(loss_fn: Callable) -> Callable:
+    if loss_fn not in _LOSS_CACHE:
+        _LOSS_CACHE[loss_fn] = eqx.filter_jit(loss_fn)
+    return _LOSS_CACHE[loss_fn]
+
+
+def train_loop(
+    state: eqx.Module,
+    step_fn: Callable,
+    batches: Iterator,
+    *,
+    cfg: LoopConfig,
+    start_step: int,
+    metrics: JsonlWriter,
+    evaluate: Callable[[eqx.Module], dict[str, float]],
+    describe: Callable[[int], dict[str, Any]],
+    checkpointer: Checkpointer | None = None,
+    extra: Callable[[], dict[str, Any]] = dict,
+    elapsed: float = 0.0,
+) -> eqx.Module:
+    """Run `step_fn` from `start_step` to `cfg.steps`; returns the final state.
+
+    `batches` is a grain iterator (its `get_state()` goes into checkpoints); `evaluate`
+    gives held-out losses of a state; `describe(t)` adds per-step fields (learning rates,
+    tokens, bytes sent, next sync); `extra()` adds JSON-able fields to every checkpoint.
+    """
+    t0 = time.perf_counter() - elapsed
+    bar = tqdm(
+        total=cfg.steps, initial=start_step, disable=not cfg.progress, file=sys.stderr,
+        dynamic_ncols=True, mininterval=1.0,
+    )
+    pending, t, rate = None, start_step, None
+
+    def record(m, step_time: float) -> None:
+        nonlocal rate
+        row = {**dict(m), **describe(m["step"])}
+        row["wall_time"] = time.perf_counter() - t0
+        row["step_time"] = step_time
+        metrics.write(row)
+        # tokens/s over recent steps; a step that includes compilation is not a rate
+        r = cfg.tokens_per_step / max(step_time, 1e-9)
+        rate = r if rate is None or row["step"] == start_step + 2 else 0.9 * rate + 0.1 * r
+        bar.update(row["step"] - bar.n)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{rate:,.0f}",
+                        next_sync=row.get("next_sync", "-"), refresh=False)
+
+    def evaluate_now(t: int) -> None:
+        losses = evaluate(state)
+        metrics.write({"step": t, "eval": True, **losses, "wall_time": time.perf_counter() - t0})
+        bar.write(f"step {t}: " + "  ".join(f"{k} {v:.4f}" for k, v in losses.items()))
+
+    try:
+        last = time.perf_counter()
+        while t < cfg.steps:
+            state, m = step_fn(state, next(batches))
+            t += 1
+            if pending is not None:
+                record(*pending)
+            now = time.perf_counter()
+            # the loop's period: with step t+1 dispatched before step t is read, this is the
+            # device's step time once the pipeline is full
+            pending, last = (m, now - last), now
+            eval_due = cfg.eval_every and (t % cfg.eval_every == 0 or t == cfg.steps)
+            ckpt_due = checkpointer and (t % cfg.checkpoint_every == 0 or t == cfg.steps)
+            if eval_due or ckpt_due:
+                record(*pending)
+                pending = None
+                if eval_due:
+                    evaluate_now(t)
+                if ckpt_due:
+                    checkpointer.save(
+                        t,
+                        state,
+                        {"data": batches.get_state(), "elapsed": time.perf_counter() - t0, **extra()},
+                    )
+                last = time.perf_counter()
+        if pending is not None:
+            record(*pending)
+    finally:
+        bar.close()
+    return state
+
