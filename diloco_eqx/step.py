@@ -109,12 +109,7 @@ def make_train_step(
         frags = Fragmentation.from_model(state.outer_model, cfg, layers)
         inner_arrays, inner_static = eqx.partition(state.inner_model, eqx.is_array)
 
-        def island_step(model_arrays, opt_state, island_batch):
-            model = eqx.combine(model_arrays, inner_static)
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, island_batch)
-            updates, opt_state = inner_optimizer.update(grads, opt_state, params(model))
-            model = eqx.apply_updates(model, updates)
-            return eqx.filter(model, eqx.is_array), opt_state, loss
+        island_step = inner_step(loss_fn, inner_optimizer, inner_static)
 
         def sync_branch(f):
             def sync(inner, outer, outer_opt):
@@ -214,6 +209,21 @@ def make_train_step(
     train_step.lower = lower
     train_step.schedule = schedule
     return train_step
+
+
+def inner_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, static: PyTree):
+    """One island's inner step on its array leaves: `(arrays, opt_state, batch) ->
+    (arrays, opt_state, loss)`; `static` is the model's non-array part."""
+
+    def step(model_arrays, opt_state, island_batch):
+        model = eqx.combine(model_arrays, static)
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, island_batch)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        model = eqx.apply_updates(model, updates)
+        return eqx.filter(model, eqx.is_array), opt_state, loss
+
+    return step
 
 
 def check_batch(batch: PyTree, num_replicas: int) -> int:

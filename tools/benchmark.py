@@ -1,0 +1,303 @@
+"""Benchmark: what DiLoCo costs per step, in time and memory, against plain training.
+
+    python -m tools.benchmark                      # sizes 1M, 10M, 30M; mesh none and 2 devices
+    python -m tools.benchmark --quick --json bench.json
+
+Everything is measured side by side in one process and reported as ratios to the plain step
+(K islands each taking an inner AdamW step, no DiLoCo logic), since absolute times on a shared
+machine are noisy. Phases are timed one step at a time, interleaved across modes, with the
+global step t set so that the step ends on a sync, an apply, or neither; "amortized" runs H_eff
+consecutive steps. Medians with the 10th–90th percentile spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+DEVICES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    name: str
+    layers: int
+    width: int
+    heads: int
+    seq_len: int
+    global_batch: int
+
+
+SIZES = (
+    Size("1M", layers=4, width=128, heads=4, seq_len=128, global_batch=16),
+    Size("10M", layers=8, width=320, heads=8, seq_len=64, global_batch=8),
+    Size("30M", layers=12, width=448, heads=8, seq_len=64, global_batch=4),
+)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smallest size only, fewer repetitions")
+    parser.add_argument("--sizes", nargs="+", choices=[s.name for s in SIZES], default=None)
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per phase")
+    parser.add_argument("--sync-period", type=int, default=100, help="H for DiLoCo and Streaming")
+    parser.add_argument("--num-fragments", type=int, default=5, help="P for Streaming (P-1 | layers)")
+    parser.add_argument("--meshes", nargs="+", choices=["none", "2"], default=None,
+                        help="none: islands vmapped on one device; 2: a 2-device diloco axis")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+    ).strip()
+    sizes = [s for s in SIZES if s.name in (args.sizes or ([SIZES[0].name] if args.quick else
+                                                           [s.name for s in SIZES]))]
+    meshes = args.meshes or (["none"] if args.quick else ["none", "2"])
+    reps = args.reps or (15 if args.quick else 25)
+    result = run(sizes, meshes, reps, args.sync_period, args.num_fragments)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+    return result
+
+
+def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx import islands, profiling
+    from diloco_eqx.ddp import init_ddp_state, make_ddp_step
+    from models.transformer import Transformer, TransformerConfig, count_params, loss_fn
+
+    K = 2
+    inner = optax.adamw(1e-3)
+    rows, memory, compilations, checks = [], {}, {}, {}
+    matmul_flops = _matmul_flops(jax, jnp)
+
+    for size in sizes:
+        model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
+                                              num_heads=size.heads, seq_len=size.seq_len),
+                            jax.random.key(0))
+        n_params = count_params(model)
+        batch_np = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1),
+                                                     dtype=np.int32)
+        for mesh_name in meshes:
+            mesh = None if mesh_name == "none" else dl.make_mesh(DEVICES)
+            batch = islands.place(jnp.asarray(batch_np), mesh, islands.ISLANDS)
+            label = f"{size.name}/{mesh_name}"
+            vanilla = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period)
+            streaming = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period, streaming=True,
+                                        num_fragments=num_fragments, overlap_steps=1)
+            sched = {"diloco": dl.Schedule.from_config(vanilla),
+                     "streaming": dl.Schedule.from_config(streaming)}
+
+            # ---- the steps under test
+            plain_state, plain_step = _plain(model, loss_fn, inner, K, mesh)
+            steps = {
+                "plain": (plain_state, plain_step),
+                "ddp": (init_ddp_state(model, inner, mesh), make_ddp_step(K, loss_fn, inner, mesh)),
+                "diloco": (dl.init_state(model, inner, vanilla, mesh),
+                           dl.make_train_step(vanilla, loss_fn, inner, mesh)),
+                "streaming": (dl.init_state(model, inner, streaming, mesh),
+                              dl.make_train_step(streaming, loss_fn, inner, mesh)),
+            }
+
+            counts = {mode: profiling.CompileCount() for mode in steps}
+            ncalls = dict.fromkeys(steps, 0)
+
+            def call(mode):
+                state, step = steps[mode]
+                with profiling.count_compilations() as c:
+                    state, _ = step(state, batch)
+                    jax.block_until_ready(state)
+                counts[mode].count += c.count
+                counts[mode].seconds += c.seconds
+                ncalls[mode] += 1
+                steps[mode] = (state, step)
+
+            for mode in steps:  # first call: compiles
+                call(mode)
+
+            # ---- per-phase times, interleaved across modes
+            def at(t_end, mode):
+                return lambda: _set_step(steps[mode][0], t_end - 1, mesh, eqx, jnp, islands)
+
+            s_st, s_va = sched["streaming"], sched["diloco"]
+            dh = s_st.steps_between_syncs
+            jobs: dict[tuple[str, str], list[Callable]] = {
+                ("plain", "step"): [None],
+                ("ddp", "step"): [None],
+                ("diloco", "nonsync"): [at(5, "diloco")],
+                ("diloco", "sync"): [at(s_va.period, "diloco")],
+                ("streaming", "nonsync"): [at(5, "streaming")],
+                ("streaming", "sync"): [at(dh * j, "streaming") for j in range(1, num_fragments + 1)],
+                ("streaming", "apply"): [at(dh * j + 1, "streaming")
+                                         for j in range(1, num_fragments + 1)],
+            }
+            times = {key: [] for key in jobs}
+            for rep in range(reps + 2):
+                for (mode, phase), setters in jobs.items():
+                    setter = setters[rep % len(setters)]
+                    if setter is not None:
+                        steps[mode] = (jax.block_until_ready(setter()), steps[mode][1])
+                    t0 = time.perf_counter()
+                    call(mode)
+                    if rep >= 2:  # two warm-up rounds
+                        times[(mode, phase)].append(time.perf_counter() - t0)
+
+            # ---- amortized over H_eff consecutive steps from t = 0, alternating with plain;
+            # two blocks give every DiLoCo mode 2·H_eff steps over every schedule position
+            amort = {"plain": [], "diloco": [], "streaming": []}
+            for _ in range(amortized_blocks):
+                for mode in ("plain", "diloco", "streaming"):
+                    n = sched["streaming" if mode == "plain" else mode].period
+                    if mode != "plain":
+                        steps[mode] = (jax.block_until_ready(at(1, mode)()), steps[mode][1])
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        call(mode)
+                    amort[mode].append((time.perf_counter() - t0) / n)
+            for mode in ("diloco", "streaming"):
+                compilations[f"{label}/{mode}"] = {"count": counts[mode].count,
+                                                   "compile_s": counts[mode].seconds,
+                                                   "steps": ncalls[mode]}
+
+            # ---- memory and FLOPs of each compiled step (the executables compiled above)
+            for mode, (state, step) in steps.items():
+                compiled = step.lower(state, batch).compile()
+                memory[f"{label}/{mode}"] = profiling.memory(compiled)
+                if mode == "plain":
+                    plain_flops = profiling.flops(compiled)
+
+            plain_median = float(np.median(times[("plain", "step")]))
+            amort_plain = float(np.median(amort["plain"]))
+            for (mode, phase), ts in times.items():
+                rows.append(_row(np, size.name, mesh_name, mode, phase, ts, plain_median))
+            for mode in ("diloco", "streaming"):
+                rows.append(_row(np, size.name, mesh_name, mode, "amortized", amort[mode], amort_plain))
+            devices = 1 if mesh is None else DEVICES
+            checks[label] = {
+                "params": n_params,
+                "tokens_per_step": size.global_batch * size.seq_len,
+                "plain_flops_per_step": plain_flops * devices,
+                "inner_flops_per_s": plain_flops * devices / plain_median,
+                "matmul_flops_per_s": matmul_flops,
+                "utilisation": plain_flops * devices / plain_median / matmul_flops,
+                "expected_extra_bytes": 2 * n_params * 4,
+            }
+
+    first = next(iter(checks))
+    plain_mem = memory[f"{first}/plain"]["resident_bytes"]
+    diloco_mem = memory[f"{first}/streaming"]["resident_bytes"]
+    return {
+        "compilations": max(c["count"] for c in compilations.values()),
+        "memory": {"plain_bytes": plain_mem, "diloco_bytes": diloco_mem,
+                   "expected_extra_bytes": checks[first]["expected_extra_bytes"],
+                   "config": first, "all": memory},
+        "rows": rows,
+        "compile": compilations,
+        "sizes": checks,
+        "settings": {"num_replicas": K, "sync_period": sync_period, "num_fragments": num_fragments,
+                     "overlap_steps": 1, "reps": reps},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version(), "jax": jax.__version__},
+    }
+
+
+def _plain(model, loss_fn, inner, k, mesh):
+    """K islands, each taking one inner step; nothing else (the floor)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from diloco_eqx import islands
+    from diloco_eqx.step import inner_step, split_batch
+
+    arrays, static = eqx.partition(model, eqx.is_array)
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)), arrays)
+    opt = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)),
+                       inner.init(eqx.filter(model, eqx.is_inexact_array)))
+    state = islands.place((stacked, opt), mesh, islands.ISLANDS)
+    one = inner_step(loss_fn, inner, static)
+
+    def body(arrays, opt_state, island_batches):
+        return jax.vmap(one)(arrays, opt_state, island_batches)
+
+    I = islands.ISLANDS
+    body = islands.shard_islands(body, mesh, in_specs=(I, I, I), out_specs=(I, I, I))
+    compiled = eqx.filter_jit(lambda batch, state: body(*state, split_batch(batch, k))[:2],
+                              donate="all-except-first")
+
+    def step(state, batch):
+        return compiled(batch, state), None
+
+    step.lower = lambda state, batch: compiled.lower(batch, state).lowered
+    return state, step
+
+
+def _set_step(state, t, mesh, eqx, jnp, islands):
+    value = islands.place(jnp.asarray(t, jnp.int32), mesh, islands.REPLICATED)
+    return eqx.tree_at(lambda s: s.step, state, value)
+
+
+def _matmul_flops(jax, jnp, n=1024, reps=10) -> float:
+    import numpy as np
+
+    f = jax.jit(lambda a, b: a @ b)
+    a = jnp.ones((n, n), jnp.float32)
+    jax.block_until_ready(f(a, a))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, a))
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / float(np.median(ts))
+
+
+def _row(np, size, mesh, mode, phase, ts, plain):
+    median = float(np.median(ts))
+    return {"size": size, "mesh": mesh, "mode": mode, "phase": phase, "median_s": median,
+            "p10_s": float(np.percentile(ts, 10)), "p90_s": float(np.percentile(ts, 90)),
+            "n": len(ts), "ratio_to_plain": median / plain}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'size':>5} {'mesh':>4} {'mode':>10} {'phase':>9} {'median ms':>10} "
+             f"{'p10-p90 ms':>15} {'ratio':>7}"]
+    for r in result["rows"]:
+        lines.append(f"{r['size']:>5} {r['mesh']:>4} {r['mode']:>10} {r['phase']:>9} "
+                     f"{1e3 * r['median_s']:>10.2f} {1e3 * r['p10_s']:>7.2f}-{1e3 * r['p90_s']:<7.2f}"
+                     f"{r['ratio_to_plain']:>7.3f}")
+    lines.append("")
+    for key, c in result["compile"].items():
+        lines.append(f"compilations of the step over {c['steps']} steps (>= 2·H_eff), {key}: "
+                     f"{c['count']} ({c['compile_s']:.1f} s to compile)")
+    for key, m in result["memory"]["all"].items():
+        lines.append(f"memory {key}: args {m['argument_bytes']:,} temps {m['temp_bytes']:,} "
+                     f"resident {m['resident_bytes']:,} B")
+    for key, s in result["sizes"].items():
+        plain = result["memory"]["all"][f"{key}/plain"]["resident_bytes"]
+        for mode in ("diloco", "streaming"):
+            extra = result["memory"]["all"][f"{key}/{mode}"]["resident_bytes"] - plain
+            lines.append(f"{key} {mode}: extra resident {extra:,} B vs 2·|Θ|·4 = "
+                         f"{s['expected_extra_bytes']:,} B (ratio {extra / s['expected_extra_bytes']:.3f})")
+        lines.append(f"{key}: {s['params']:,} params, inner step {s['inner_flops_per_s'] / 1e9:.2f} "
+                     f"GFLOP/s vs matmul {s['matmul_flops_per_s'] / 1e9:.2f} GFLOP/s: "
+                     f"utilisation {s['utilisation']:.2f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
