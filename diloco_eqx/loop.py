@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import equinox as eqx
-import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -72,18 +71,8 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def mean_loss(loss_fn: Callable, model: eqx.Module, batches: list[np.ndarray]) -> float:
-    """Mean of `loss_fn` over equally sized held-out batches."""
-    fn = _jitted_loss(loss_fn)
-    return float(np.mean([float(fn(model, b)) for b in batches]))
-
-
-_LOSS_CACHE: dict[Callable, Callable] = {}
-
-
-def _jitted_loss(loss_fn: Callable) -> Callable:
-    if loss_fn not in _LOSS_CACHE:
-        _LOSS_CACHE[loss_fn] = eqx.filter_jit(loss_fn)
-    return _LOSS_CACHE[loss_fn]
+    """Mean of `loss_fn` (jit it once, outside) over equally sized held-out batches."""
+    return float(np.mean([float(loss_fn(model, b)) for b in batches]))
 
 
 def train_loop(

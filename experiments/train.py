@@ -233,12 +233,14 @@ def run(settings: Settings) -> dict[str, Any]:
             row["next_sync"] = schedule.next_sync(t)
         return row
 
+    eval_loss = eqx.filter_jit(loss_fn)
+
     def evaluate(state) -> dict[str, float]:
         if s.mode == "ddp":
-            return {"eval_loss": mean_loss(loss_fn, state.model, held_out)}
-        losses = {"eval_loss": mean_loss(loss_fn, state.outer_model, held_out)}
+            return {"eval_loss": mean_loss(eval_loss, state.model, held_out)}
+        losses = {"eval_loss": mean_loss(eval_loss, state.outer_model, held_out)}
         if s.eval_island:
-            losses["eval_loss_island_0"] = mean_loss(loss_fn, state.island(0), held_out)
+            losses["eval_loss_island_0"] = mean_loss(eval_loss, state.island(0), held_out)
         return losses
 
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int

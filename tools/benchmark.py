@@ -156,18 +156,25 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
                     if rep >= 2:  # two warm-up rounds
                         times[(mode, phase)].append(time.perf_counter() - t0)
 
-            # ---- amortized over H_eff consecutive steps from t = 0, alternating with plain;
-            # two blocks give every DiLoCo mode 2·H_eff steps over every schedule position
+            # ---- amortized over H_eff consecutive steps from t = 0: each mode runs its own
+            # H_eff-step sequence, interleaved with the others in chunks of 10 steps so that
+            # machine drift hits every mode alike; two blocks give every DiLoCo mode 2·H_eff
+            # consecutive steps over every schedule position
             amort = {"plain": [], "diloco": [], "streaming": []}
+            period = max(sched["diloco"].period, sched["streaming"].period)
             for _ in range(amortized_blocks):
-                for mode in ("plain", "diloco", "streaming"):
-                    n = sched["streaming" if mode == "plain" else mode].period
-                    if mode != "plain":
-                        steps[mode] = (jax.block_until_ready(at(1, mode)()), steps[mode][1])
-                    t0 = time.perf_counter()
-                    for _ in range(n):
-                        call(mode)
-                    amort[mode].append((time.perf_counter() - t0) / n)
+                for mode in ("diloco", "streaming"):
+                    steps[mode] = (jax.block_until_ready(at(1, mode)()), steps[mode][1])
+                spent = dict.fromkeys(amort, 0.0)
+                for start in range(0, period, 10):
+                    for mode in amort:
+                        n = min(10, period - start)
+                        t0 = time.perf_counter()
+                        for _ in range(n):
+                            call(mode)
+                        spent[mode] += time.perf_counter() - t0
+                for mode in amort:
+                    amort[mode].append(spent[mode] / period)
             for mode in ("diloco", "streaming"):
                 compilations[f"{label}/{mode}"] = {"count": counts[mode].count,
                                                    "compile_s": counts[mode].seconds,
@@ -184,7 +191,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
             amort_plain = float(np.median(amort["plain"]))
             for (mode, phase), ts in times.items():
                 rows.append(_row(np, size.name, mesh_name, mode, phase, ts, plain_median))
-            for mode in ("diloco", "streaming"):
+            for mode in ("plain", "diloco", "streaming"):
                 rows.append(_row(np, size.name, mesh_name, mode, "amortized", amort[mode], amort_plain))
             devices = 1 if mesh is None else DEVICES
             checks[label] = {
