@@ -18,6 +18,7 @@ from jaxtyping import Array, Int, PyTree
 
 from diloco_eqx import islands
 from diloco_eqx.outer import tree_norm
+from diloco_eqx.state import owned_copy
 from diloco_eqx.step import LossFn, StepMetrics, check_batch, split_batch
 
 
@@ -32,7 +33,7 @@ class DDPState(eqx.Module):
 def init_ddp_state(
     model: eqx.Module, optimizer: optax.GradientTransformation, mesh: Mesh | None = None
 ) -> DDPState:
-    model = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model)
+    model = owned_copy(model)
     state = DDPState(
         model=model,
         opt_state=optimizer.init(eqx.filter(model, eqx.is_inexact_array)),

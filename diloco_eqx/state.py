@@ -31,14 +31,16 @@ class DiLoCoState(eqx.Module):
     outer_opt_state: PyTree
     step: Int[Array, ""]
 
-    @property
-    def num_replicas(self) -> int:
-        return jax.tree.leaves(eqx.filter(self.inner_model, eqx.is_array))[0].shape[0]
-
     def island(self, k: int) -> eqx.Module:
         """Island k's model (no K axis)."""
         arrays, static = eqx.partition(self.inner_model, eqx.is_array)
         return eqx.combine(jax.tree.map(lambda x: x[k], arrays), static)
+
+
+def owned_copy(tree):
+    """`tree` with fresh copies of its arrays, so a step that donates them leaves the
+    caller's originals intact."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
 
 
 def init_state(
@@ -63,7 +65,7 @@ def init_state(
             lambda x: jnp.broadcast_to(x, (k, *x.shape)) if eqx.is_array(x) else x, tree
         )
 
-    model = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model)
+    model = owned_copy(model)
     inner_model = per_island(model)
     inner_opt_state = per_island(inner_optimizer.init(params))
     outer_opt_state = outer_optimizer(cfg).init(params)
