@@ -36,6 +36,9 @@ _CALLEE = re.compile(
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
+_FRAGMENT = re.compile(r"/fragment_(\d+)/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,37 @@ class Collective:
     """(dtype, dims) of each array the collective produces."""
     op_name: str
     """JAX's name stack for the op (named scopes such as "diloco_sync" show up here)."""
+    group_size: int = 1
+    """Participants in each replica group (the diloco axis size D for the step's collectives)."""
+
+    @property
+    def fragment(self) -> int | None:
+        """The fragment whose sync issued it (the step's "fragment_f" scope), else None."""
+        m = _FRAGMENT.search(self.op_name + "/")
+        return int(m.group(1)) if m else None
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes each participant contributes: the whole operand of an all-reduce, its
+        1/n share of an all-gather's result."""
+        if self.kind == "all-gather":
+            return self.bytes // self.group_size
+        if self.kind == "reduce-scatter":
+            return self.bytes * self.group_size
+        return self.bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each participant sends with the bandwidth-optimal ring algorithm:
+        all-reduce 2(n−1)/n·payload, all-gather (n−1)·payload, reduce-scatter (n−1)/n·payload."""
+        n = self.group_size
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * self.payload_bytes
+        if self.kind == "all-gather":
+            return (n - 1) * self.payload_bytes
+        if self.kind == "reduce-scatter":
+            return (n - 1) / n * self.payload_bytes
+        return float(self.payload_bytes)
 
     @property
     def bytes(self) -> int:
@@ -103,7 +137,15 @@ def collectives(hlo: str) -> list[Collective]:
             if op.endswith("-start") and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2 :]  # (operands, results) tuple: keep results
             op_name = _OP_NAME.search(line)
-            found.append(Collective(kind, name, comp, shapes, op_name.group(1) if op_name else ""))
+            groups = _GROUPS_LIST.search(line)
+            if groups:
+                size = len(groups.group(1).split(","))
+            else:
+                iota = _GROUPS_IOTA.search(line)
+                size = int(iota.group(1)) if iota else 1
+            found.append(
+                Collective(kind, name, comp, shapes, op_name.group(1) if op_name else "", size)
+            )
     return found
 
 
@@ -143,18 +185,38 @@ def branch_computations(hlo: str) -> set[str]:
     return seen
 
 
+def fragment_payload_bytes(hlo: str, num_fragments: int) -> list[int]:
+    """Bytes per device per sync of each fragment, measured: the payload of every collective
+    issued under that fragment's sync scope (conditional branches only)."""
+    branch = branch_computations(hlo)
+    per = [0] * num_fragments
+    for c in collectives(hlo):
+        if c.fragment is None:
+            continue
+        if c.computation not in branch or not 0 <= c.fragment < num_fragments:
+            raise ValueError(f"collective {c.name} of fragment {c.fragment} is not inside a sync branch")
+        per[c.fragment] += c.payload_bytes
+    return per
+
+
+def every_step_payload_bytes(hlo: str) -> int:
+    """Bytes per device of the collectives that run on every call (DDP's gradient mean)."""
+    always = unconditional_computations(hlo)
+    return sum(c.payload_bytes for c in collectives(hlo) if c.computation in always)
+
+
 # ---------------------------------------------------------------- byte accounting
 
 
-def sync_bytes(fragment_params: int, bytes_per_param: int = 4) -> int:
+def sync_bytes(fragment_params: int, bytes_per_param: float = 4) -> float:
     """Bytes one island sends to all-reduce a fragment of `fragment_params` values: 2·|Θ_f|·b
     (a ring all-reduce moves each value out twice: reduce-scatter, then all-gather)."""
     return 2 * fragment_params * bytes_per_param
 
 
 def bytes_sent(
-    t: int, fragment_params: list[int], schedule=None, bytes_per_param: int = 4
-) -> int:
+    t: int, fragment_params: list[int], schedule=None, bytes_per_param: float = 4
+) -> float:
     """Bytes one island has sent after t steps: every step all parameters (DDP, schedule=None),
     or at each sync of fragment f its own 2·|Θ_f|·b (DiLoCo; one fragment when vanilla)."""
     if schedule is None:

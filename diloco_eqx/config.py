@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from diloco_eqx._checks import check_int, check_number
+from diloco_eqx.compression import check_format
 from diloco_eqx.orders import Order, resolve_order
 from diloco_eqx.schedule import Schedule
 
@@ -46,6 +47,10 @@ class DiLoCoConfig:
     """η_outer: outer Nesterov SGD learning rate."""
     outer_momentum: float = 0.9
     """β: outer Nesterov momentum."""
+    compression: str = "none"
+    """Format of the pseudo-gradients on the wire: "none" (float32), "bf16", "fp8", "fp4"."""
+    error_feedback: bool = False
+    """Carry each island's quantization error into its next pseudo-gradient of that fragment."""
 
     def __post_init__(self):
         check_int("num_replicas (K)", self.num_replicas, low=1)
@@ -57,6 +62,15 @@ class DiLoCoConfig:
         check_number("outer_lr (η_outer)", self.outer_lr, "(0, inf)", lambda a: a > 0.0)
         check_number("outer_momentum (β)", self.outer_momentum, "[0, 1)", lambda a: 0.0 <= a < 1.0)
         resolve_order(self.fragment_order)
+        check_format(self.compression)
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False; got {self.error_feedback!r}")
+        if self.error_feedback and self.compression == "none":
+            warnings.warn(
+                "error_feedback=True has no effect with compression='none' (float32 loses "
+                "nothing to carry); set compression to 'bf16', 'fp8' or 'fp4' to use it",
+                stacklevel=3,
+            )
         if self.streaming:
             check_int("num_fragments (P) with streaming=True", self.num_fragments, low=2)
             sched = Schedule.from_config(self)  # checks V < H_eff

@@ -57,8 +57,12 @@ def make_ddp_step(
 
         def body(arrays, opt_state, step, island_batches):
             model = eqx.combine(arrays, static)
+            # Differentiate a per-device copy: through the replicated model itself, JAX's
+            # transpose would already sum the gradient over the axis (D times too large
+            # after the mean below, and a second all-reduce).
+            local = eqx.combine(islands.island_local(arrays, mesh), static)
             losses, grads = jax.vmap(
-                lambda b: eqx.filter_value_and_grad(loss_fn)(model, b)
+                lambda b: eqx.filter_value_and_grad(loss_fn)(local, b)
             )(island_batches)
             grads = islands.mean_over_islands(grads, mesh)
             params = eqx.filter(model, eqx.is_inexact_array)

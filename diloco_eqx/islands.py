@@ -3,7 +3,8 @@
 K islands are laid out along a 1-D mesh axis named "diloco" of size D; each device slice
 holds K/D islands and runs them with `eqx.filter_vmap`. The one cross-island collective is
 `mean_over_islands`: a local mean over the K/D islands on a slice, then `lax.pmean` over
-the axis. With `mesh=None` every island lives on one device and no collective exists.
+the axis (or, for compressed pseudo-gradients, `gather_islands`: an all-gather of the
+packed payloads, decoded and averaged in float32 on every slice). With `mesh=None` every island lives on one device and no collective exists.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ def mean_over_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
         return local if mesh is None else lax.pmean(local, AXIS)
 
     return jax.tree.map(mean, tree)
+
+
+def gather_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
+    """Every island's leaves on every device: (K/D, ...) per slice -> (K, ...), in island
+    order. An all-gather moves the leaves as they are, so compressed payloads stay compressed."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True, to="invarying"), tree)
 
 
 def island_local(tree: PyTree, mesh: Mesh | None) -> PyTree:

@@ -30,6 +30,8 @@ class DiLoCoState(eqx.Module):
     outer_model: eqx.Module
     outer_opt_state: PyTree
     step: Int[Array, ""]
+    residual: PyTree = None
+    """Per-island quantization error carried to the next sync (error feedback), else None."""
 
     def island(self, k: int) -> eqx.Module:
         """Island k's model (no K axis)."""
@@ -69,10 +71,21 @@ def init_state(
     inner_model = per_island(model)
     inner_opt_state = per_island(inner_optimizer.init(params))
     outer_opt_state = outer_optimizer(cfg).init(params)
+    residual = None
+    if carries_residual(cfg):
+        residual = islands.place(
+            per_island(jax.tree.map(jnp.zeros_like, params)), mesh, islands.ISLANDS
+        )
     return DiLoCoState(
         inner_model=islands.place(inner_model, mesh, islands.ISLANDS),
         inner_opt_state=islands.place(inner_opt_state, mesh, islands.ISLANDS),
         outer_model=islands.place(model, mesh, islands.REPLICATED),
         outer_opt_state=islands.place(outer_opt_state, mesh, islands.REPLICATED),
         step=islands.place(jnp.zeros((), jnp.int32), mesh, islands.REPLICATED),
+        residual=residual,
     )
+
+
+def carries_residual(cfg: DiLoCoConfig) -> bool:
+    """Whether the state holds an error-feedback residual (|Θ| floats per island)."""
+    return cfg.error_feedback and cfg.compression != "none"

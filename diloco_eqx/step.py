@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, PyTree
 
-from diloco_eqx import islands
+from diloco_eqx import compression, islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.outer import blend, outer_optimizer, outer_step, pseudo_gradient, tree_norm
@@ -37,11 +37,14 @@ class StepMetrics(Mapping):
 
     Keys: "step" (t), "loss" (mean over islands), "loss_island_{i}", any other scalar the
     step reports; with a schedule, on sync steps also "sync_fragment", "pseudo_grad_norm"
-    (norm of the mean pseudo-gradient) and "outer_update_norm", on apply steps
+    (norm of the mean pseudo-gradient), "outer_update_norm" and, with compression,
+    "compression_error" (‖decoded − sent‖/‖sent‖, mean over islands); on apply steps
     "apply_fragment".
     """
 
     SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm")
+    ISLAND_SYNC_KEYS = ("compression_error",)
+    """Per-island sync metrics, reported as their mean over islands."""
 
     def __init__(self, device_metrics: dict[str, Array], schedule: Schedule | None = None):
         self._device = device_metrics
@@ -57,13 +60,16 @@ class StepMetrics(Mapping):
             host.update({f"loss_island_{i}": float(x) for i, x in enumerate(losses)})
             host.update(
                 {k: float(v) for k, v in m.items()
-                 if k not in ("step", "loss_island", *self.SYNC_KEYS)}
+                 if k not in ("step", "loss_island", *self.SYNC_KEYS, *self.ISLAND_SYNC_KEYS)}
             )
             if self._schedule is not None:
                 synced = self._schedule.sync_fragment(t)
                 if synced is not None:
                     host["sync_fragment"] = synced
                     host.update({k: float(m[k]) for k in self.SYNC_KEYS})
+                    host.update(
+                        {k: float(np.mean(m[k])) for k in self.ISLAND_SYNC_KEYS if k in m}
+                    )
                 applied = self._schedule.apply_fragment(t)
                 if applied is not None:
                     host["apply_fragment"] = applied
@@ -101,6 +107,7 @@ def make_train_step(
     outer_tx = outer_optimizer(cfg)
     alpha = float(cfg.alpha) if cfg.streaming else 0.0
     k = cfg.num_replicas
+    fmt = cfg.compression
 
     def params(tree):
         return eqx.filter(tree, eqx.is_inexact_array)
@@ -111,23 +118,55 @@ def make_train_step(
 
         island_step = inner_step(loss_fn, inner_optimizer, inner_static)
 
+        def exchange(f, outer_f, deltas, residual):
+            """Mean pseudo-gradient over all K islands; compressed formats travel as
+            payloads and are averaged in float32 after decoding."""
+            if fmt == "none":
+                return islands.mean_over_islands(deltas, mesh), residual, {}
+            sent = deltas
+            if residual is not None:
+                res_f = jax.vmap(lambda r: frags.take(r, f))(residual)
+                sent = jax.tree.map(jnp.add, deltas, res_f)
+            payload = jax.vmap(lambda d: compression.tree_encode(d, fmt, check=False))(sent)
+            seen = jax.vmap(lambda p: compression.tree_decode(p, fmt, outer_f))(payload)
+            err = jax.tree.map(jnp.subtract, sent, seen)
+            if residual is not None:
+                residual = jax.vmap(lambda r, e: frags.put(r, f, e))(residual, err)
+            rel_err = jax.vmap(lambda e, s: tree_norm(e) / tree_norm(s))(err, sent)
+            everyone = islands.gather_islands(payload, mesh)
+            decoded = jax.vmap(lambda p: compression.tree_decode(p, fmt, outer_f))(everyone)
+            delta = jax.tree.map(lambda x: jnp.mean(x, axis=0), decoded)
+            return delta, residual, {"compression_error": jnp.nan_to_num(rel_err)}
+
         def sync_branch(f):
-            def sync(inner, outer, outer_opt):
-                outer_f = frags.take(params(outer), f)
-                deltas = jax.vmap(lambda m: pseudo_gradient(outer_f, frags.take(params(m), f)))(
-                    inner
-                )
-                delta = islands.mean_over_islands(deltas, mesh)
-                opt_f = frags.take_state(outer_tx, outer_opt, f)
-                new_f, opt_f, update = outer_step(outer_tx, delta, opt_f, outer_f)
+            def sync(inner, outer, outer_opt, residual):
+                with jax.named_scope(f"fragment_{f}"):
+                    outer_f = frags.take(params(outer), f)
+                    deltas = jax.vmap(
+                        lambda m: pseudo_gradient(outer_f, frags.take(params(m), f))
+                    )(inner)
+                    delta, residual, per_island = exchange(f, outer_f, deltas, residual)
+                    opt_f = frags.take_state(outer_tx, outer_opt, f)
+                    new_f, opt_f, update = outer_step(outer_tx, delta, opt_f, outer_f)
                 norms = {"pseudo_grad_norm": tree_norm(delta), "outer_update_norm": tree_norm(update)}
-                return frags.put(outer, f, new_f), frags.put_state(outer_tx, outer_opt, f, opt_f), norms
+                return (
+                    frags.put(outer, f, new_f),
+                    frags.put_state(outer_tx, outer_opt, f, opt_f),
+                    residual,
+                    norms,
+                    per_island,
+                )
 
             return sync
 
-        def no_sync(inner, outer, outer_opt):
+        def no_sync(inner, outer, outer_opt, residual):
             zero = jnp.zeros((), jnp.float32)
-            return outer, outer_opt, {"pseudo_grad_norm": zero, "outer_update_norm": zero}
+            per_island = {}
+            if fmt != "none":
+                local = jnp.zeros((k // islands.axis_size(mesh),), jnp.float32)
+                per_island = {"compression_error": islands.island_local(local, mesh)}
+            norms = {"pseudo_grad_norm": zero, "outer_update_norm": zero}
+            return outer, outer_opt, residual, norms, per_island
 
         def apply_branch(f):
             def apply(inner, outer):
@@ -144,17 +183,18 @@ def make_train_step(
                 return branches[0](*operands)
             return lax.switch(f, branches, *operands)
 
-        def body(inner, inner_opt, outer, outer_opt, step, island_batches):
+        def body(inner, inner_opt, outer, outer_opt, step, island_batches, residual):
             inner, inner_opt, losses = jax.vmap(island_step)(inner, inner_opt, island_batches)
             t = step + 1
             with jax.named_scope("diloco_sync"):
-                outer, outer_opt, norms = lax.cond(
+                outer, outer_opt, residual, norms, per_island = lax.cond(
                     schedule.is_sync_traced(t),
                     lambda *ops: on_fragment(schedule.fragment_at_traced(t), sync_branch, *ops),
                     no_sync,
                     inner,
                     outer,
                     outer_opt,
+                    residual,
                 )
             if alpha != 1.0:  # α = 1 keeps every local fragment: the apply is the identity
                 with jax.named_scope("diloco_apply"):
@@ -169,20 +209,21 @@ def make_train_step(
                         inner,
                         outer,
                     )
-            return inner, inner_opt, outer, outer_opt, t, losses, norms
+            return inner, inner_opt, outer, outer_opt, t, residual, losses, norms, per_island
 
         R, I = islands.REPLICATED, islands.ISLANDS
         sharded_body = islands.shard_islands(
-            body, mesh, in_specs=(I, I, R, R, R, I), out_specs=(I, I, R, R, R, I, R)
+            body, mesh, in_specs=(I, I, R, R, R, I, I), out_specs=(I, I, R, R, R, I, I, R, I)
         )
         outer_arrays, outer_static = eqx.partition(state.outer_model, eqx.is_array)
-        inner, inner_opt, outer, outer_opt, t, losses, norms = sharded_body(
+        inner, inner_opt, outer, outer_opt, t, residual, losses, norms, per_island = sharded_body(
             inner_arrays,
             state.inner_opt_state,
             outer_arrays,
             state.outer_opt_state,
             state.step,
             split_batch(batch, k),
+            state.residual,
         )
         new_state = DiLoCoState(
             inner_model=eqx.combine(inner, inner_static),
@@ -190,8 +231,9 @@ def make_train_step(
             outer_model=eqx.combine(outer, outer_static),
             outer_opt_state=outer_opt,
             step=t,
+            residual=residual,
         )
-        return new_state, {"step": t, "loss_island": losses, **norms}
+        return new_state, {"step": t, "loss_island": losses, **norms, **per_island}
 
     # Donate the state, not the caller's batch: filter_jit donates every argument but the
     # first, so the compiled function takes (batch, state).

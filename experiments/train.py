@@ -40,6 +40,8 @@ class Settings:
     alpha: float = 0.0
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    compression: str = "none"
+    error_feedback: bool = False
     steps: int = 600
     seed: int = 0
     layers: int = 4
@@ -88,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--alpha", type=float, default=d.alpha, help="α, apply blend (streaming)")
     g.add_argument("--outer-lr", type=float, default=d.outer_lr, help="η_outer")
     g.add_argument("--outer-momentum", type=float, default=d.outer_momentum, help="β, Nesterov")
+    g.add_argument("--compression", default=d.compression,
+                   help="pseudo-gradient format on the wire: none (float32) | bf16 | fp8 | fp4")
+    g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction,
+                   default=d.error_feedback,
+                   help="carry each island's quantization error into its next sync")
     g = p.add_argument_group("model and inner optimizer (AdamW, warmup + cosine decay)")
     g.add_argument("--layers", type=int, default=d.layers)
     g.add_argument("--width", type=int, default=d.width)
@@ -159,7 +166,7 @@ def run(settings: Settings) -> dict[str, Any]:
     import optax
 
     import diloco_eqx as dl
-    from diloco_eqx import comms, data
+    from diloco_eqx import comms, compression, data
     from diloco_eqx.checkpoint import Checkpointer, key_from_json, key_to_json
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
     from diloco_eqx.fragments import Fragmentation
@@ -175,7 +182,8 @@ def run(settings: Settings) -> dict[str, Any]:
             num_replicas=s.num_replicas, sync_period=s.sync_period, streaming=s.streaming,
             num_fragments=s.num_fragments, fragment_order=s.fragment_order,
             overlap_steps=s.overlap_steps, alpha=s.alpha, outer_lr=s.outer_lr,
-            outer_momentum=s.outer_momentum,
+            outer_momentum=s.outer_momentum, compression=s.compression,
+            error_feedback=s.error_feedback,
         )
     for w in config_warnings:
         print(f"warning: {w.message}", file=sys.stderr)
@@ -224,10 +232,11 @@ def run(settings: Settings) -> dict[str, Any]:
         step_fn = make_ddp_step(s.num_replicas, loss_fn, inner, mesh)
         fragment_params = [count_params(model)]
     tokens_per_step = s.global_batch * s.seq_len
+    wire_bytes = compression.bits_per_value(s.compression if s.mode == "diloco" else "none") / 8
 
     def describe(t: int) -> dict[str, Any]:
         row = {"lr": float(lr(t - 1)), "tokens": t * tokens_per_step,
-               "comm_bytes_per_island": comms.bytes_sent(t, fragment_params, schedule)}
+               "comm_bytes_per_island": comms.bytes_sent(t, fragment_params, schedule, wire_bytes)}
         if schedule is not None:
             row["outer_lr"] = cfg.outer_lr
             row["next_sync"] = schedule.next_sync(t)

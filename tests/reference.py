@@ -11,6 +11,7 @@ import dataclasses
 
 import equinox as eqx
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jaxtyping import Array, Float, Int
 
@@ -151,9 +152,15 @@ def np_run(
     alpha: float = 0.0,
     outer_lr: float = 0.7,
     momentum: float = 0.9,
+    compression: str = "none",
+    error_feedback: bool = False,
 ):
-    """Run SPEC.md's algorithm; returns (per-step island losses, outer params, islands)."""
+    """Run SPEC.md's algorithm; returns (per-step island losses, outer params, islands).
+
+    With `compression`, each island's pseudo-gradient of a leaf's fragment part goes through
+    `np_quantize` (plus its carried residual with `error_feedback`) before the mean."""
     islands = [{n: a.copy() for n, a in model0.items()} for _ in range(k)]
+    residual = [{n: np.zeros_like(a) for n, a in model0.items()} for _ in range(k)]
     states = [inner.init(isl) for isl in islands]
     outer = {n: a.copy() for n, a in model0.items()}
     trace = {n: np.zeros_like(a) for n, a in model0.items()}
@@ -187,7 +194,18 @@ def np_run(
             for n, idx in masks(f).items():
                 if idx is None:
                     continue
-                delta = np.mean([outer[n][idx] - isl[n][idx] for isl in islands], axis=0)
+                sent = []
+                for i, isl in enumerate(islands):
+                    d = outer[n][idx] - isl[n][idx]
+                    if compression != "none":
+                        if error_feedback:
+                            d = d + residual[i][n][idx]
+                        q = np_quantize(d, compression)
+                        if error_feedback:
+                            residual[i][n][idx] = d - q
+                        d = q
+                    sent.append(d)
+                delta = np.mean(sent, axis=0)
                 trace[n][idx] = delta + momentum * trace[n][idx]
                 outer[n][idx] = outer[n][idx] - outer_lr * (delta + momentum * trace[n][idx])
         ta = t - (v if streaming else 0)
@@ -200,3 +218,25 @@ def np_run(
                 for isl in islands:
                     isl[n][idx] = a * isl[n][idx] + (1 - a) * outer[n][idx]
     return np.array(losses), outer, islands
+
+
+FP4_LEVELS = np.array([0.0] + [2.0**e for e in range(-6, 1)])
+
+
+def np_quantize(x: np.ndarray, fmt: str) -> np.ndarray:
+    """What the other islands receive for tensor x, computed without the codec: nearest
+    representable value by exhaustive search (fp4) or an ml_dtypes cast (bf16, fp8)."""
+    x32 = np.asarray(x, np.float32)
+    if fmt == "bf16":
+        return x32.astype(ml_dtypes.bfloat16).astype(np.float64)
+    m = float(np.max(np.abs(x32))) if x32.size else 0.0
+    if fmt == "fp8":
+        s = np.float32(m / 448.0) if m > 0 else np.float32(1.0)
+        return (x32 / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32).astype(np.float64) * s
+    assert fmt == "fp4", fmt
+    s = np.float32(m) if m > 0 else np.float32(1.0)
+    a = np.abs(x32 / s).astype(np.float64)
+    dist = np.abs(a[..., None] - FP4_LEVELS)
+    # nearest level; on a tie the larger one (the last of the minima)
+    best = FP4_LEVELS.size - 1 - np.argmin(dist[..., ::-1], axis=-1)
+    return np.sign(x32) * FP4_LEVELS[best] * np.float64(s)

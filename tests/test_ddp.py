@@ -17,9 +17,10 @@ def data(steps):
 
 
 @pytest.mark.parametrize("k,devices", [(1, None), (2, None), (4, None), (4, 2), (4, 4)])
-def test_ddp_is_full_batch_training(k, devices):
+@pytest.mark.parametrize("opt", [optax.adamw(0.01), optax.sgd(0.1)], ids=["adamw", "sgd"])
+def test_ddp_is_full_batch_training(k, devices, opt):
+    # SGD is not scale-invariant, so it catches a gradient summed instead of averaged
     mesh = None if devices is None else dl.make_mesh(devices)
-    opt = optax.adamw(0.01)
     state = init_ddp_state(make_toy(4, 3), opt, mesh)
     step = make_ddp_step(k, toy_loss, opt, mesh)
     model = make_toy(4, 3)
@@ -50,3 +51,6 @@ def test_ddp_all_reduces_every_step():
     hlo = step.lower(init_ddp_state(make_toy(4, 3), opt, mesh), data(1)[0]).compile().as_text()
     found = comms.collectives(hlo)
     assert found and all(c.computation in comms.unconditional_computations(hlo) for c in found)
+    # one mean of the gradient: |Θ| float32 values, nothing else
+    n = sum(x.size for x in jax_leaves(make_toy(4, 3)) if x.dtype == np.float32)
+    assert comms.every_step_payload_bytes(hlo) == 4 * n

@@ -1,0 +1,158 @@
+"""Compressed pseudo-gradients: codec error bounds, payload sizes, and the step against the
+NumPy reference with quantization (and error feedback) written out independently."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from diloco_eqx import compression as C
+from tests.reference import NpSGD, make_toy, np_quantize, np_run, toy_loss, toy_to_numpy
+from tests.test_step import N_LAYERS, WIDTH, batches, run_jax
+
+FORMATS = ["bf16", "fp8", "fp4"]
+
+rng = np.random.default_rng(0)
+TENSORS = {
+    "normal": rng.standard_normal((33, 17)).astype(np.float32),
+    "heavy_tailed": rng.standard_cauchy(999).astype(np.float32),
+    "zeros": np.zeros((4, 5), np.float32),
+    "one_value": np.array([-3.5], np.float32),
+    "huge": (rng.standard_normal(257) * 1e37).astype(np.float32),
+    "tiny": (rng.standard_normal(257) * 1e-30).astype(np.float32),
+    "mixed_scales": np.concatenate([rng.standard_normal(50) * 1e6, rng.standard_normal(50) * 1e-6]).astype(np.float32),
+    "boundaries": np.array([1, 0.75, -0.74, 0.375, 2**-7, 0.99 * 2**-7, -1], np.float32),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_roundtrip_within_error_bound(fmt, name):
+    x = TENSORS[name]
+    got = np.asarray(C.roundtrip(jnp.asarray(x), fmt))
+    assert got.shape == x.shape and got.dtype == np.float32
+    # The bound, written out here rather than taken from the codec:
+    a, m = np.abs(x).astype(np.float64), float(np.abs(x).max())
+    bound = {
+        "bf16": a * 2.0**-8,
+        "fp8": np.maximum(a * 2.0**-4, m / 448 * 2.0**-10),
+        "fp4": np.maximum(a / 3, m * 2.0**-7),
+    }[fmt] * (1 + 1e-6)
+    assert np.all(np.abs(got - x) <= bound)
+    np.testing.assert_array_equal(got, np_quantize(x, fmt).astype(np.float32))
+    if name == "zeros":
+        assert not got.any()
+    assert np.all(np.sign(got) * np.sign(x) >= 0)  # never flips a sign
+
+
+def test_fp4_levels_by_hand():
+    # scale = 1: 0.75 ties up to 1, -0.74 goes to -0.5, 0.375 ties up to 0.5,
+    # 2^-7 ties up to 2^-6, just under 2^-7 becomes 0
+    got = np.asarray(C.roundtrip(jnp.asarray(TENSORS["boundaries"]), "fp4"))
+    np.testing.assert_array_equal(got, [1, 1, -0.5, 0.5, 2**-6, 0, -1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_is_rejected(fmt, bad):
+    x = jnp.asarray([1.0, bad, 2.0], jnp.float32)
+    with pytest.raises(Exception, match=f"compression '{fmt}': cannot quantize .*NaN or Inf"):
+        C.encode(x, fmt)
+
+
+def test_unknown_format_names_the_knob():
+    with pytest.raises(ValueError, match=r"compression must be one of \('none', 'bf16', 'fp8', 'fp4'\); got 'int4'"):
+        dl.DiLoCoConfig(compression="int4")
+    with pytest.raises(ValueError, match="error_feedback must be True or False"):
+        dl.DiLoCoConfig(compression="fp4", error_feedback=1)
+    with pytest.warns(UserWarning, match="error_feedback=True has no effect with compression='none'"):
+        dl.DiLoCoConfig(error_feedback=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000])
+def test_payload_bytes(n):
+    x = jnp.linspace(-1, 1, n, dtype=jnp.float32)
+    for fmt, per_value, scale in [("none", 4, 0), ("bf16", 2, 0), ("fp8", 1, 4)]:
+        p = C.encode(x, fmt)
+        assert sum(v.nbytes for v in p.values()) == n * per_value + scale == C.payload_bytes(n, fmt)
+    p = C.encode(x, "fp4")
+    assert p["values"].dtype == jnp.uint8 and p["values"].shape == ((n + 1) // 2,)
+    assert sum(v.nbytes for v in p.values()) == (n + 1) // 2 + 4 == C.payload_bytes(n, "fp4")
+
+
+def _reference(cfg, data, inner_np):
+    return np_run(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
+        inner=inner_np, streaming=cfg.streaming, p=cfg.num_fragments, order=cfg.fragment_order,
+        v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum, compression=cfg.compression,
+        error_feedback=cfg.error_feedback,
+    )
+
+
+CASES = [
+    dict(num_replicas=2, sync_period=4),
+    dict(num_replicas=4, sync_period=6, streaming=True, num_fragments=3, overlap_steps=1, alpha=0.5),
+    dict(num_replicas=2, sync_period=6, streaming=True, num_fragments=3, fragment_order="sequential"),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("error_feedback", [False, True])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_step_matches_reference_with_compression(fmt, error_feedback, case):
+    cfg = dl.DiLoCoConfig(**CASES[case], compression=fmt, error_feedback=error_feedback)
+    data = batches(18)
+    losses, state = run_jax(cfg, optax.sgd(0.05), data)
+    ref_losses, ref_outer, ref_islands = _reference(cfg, data, NpSGD(0.05))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+    outer = toy_to_numpy(state.outer_model)
+    for name in outer:
+        np.testing.assert_allclose(outer[name], ref_outer[name], rtol=2e-5, atol=2e-5)
+    # and compression changes the result (so the comparison above is not vacuous)
+    plain = _reference(dl.DiLoCoConfig(**CASES[case]), data, NpSGD(0.05))[1]
+    assert any(not np.allclose(plain[n], ref_outer[n], rtol=1e-4, atol=1e-6) for n in outer)
+    assert (state.residual is not None) == error_feedback
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_compressed_step_same_on_any_mesh(fmt):
+    cfg = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3,
+                          overlap_steps=1, compression=fmt, error_feedback=True)
+    data = batches(12)
+    l0, s0 = run_jax(cfg, optax.sgd(0.05), data)
+    for d in (2, 4):
+        l1, s1 = run_jax(cfg, optax.sgd(0.05), data, mesh=dl.make_mesh(d))
+        np.testing.assert_allclose(l1, l0, rtol=1e-6, atol=1e-6)
+        for name, want in toy_to_numpy(s0.outer_model).items():
+            np.testing.assert_allclose(toy_to_numpy(s1.outer_model)[name], want, rtol=1e-6, atol=1e-7)
+
+
+def test_compression_error_metric():
+    """Vanilla, K=2, fp4: the metric is the mean over islands of ‖q(Δ_k) − Δ_k‖/‖Δ_k‖,
+    recomputed here from the islands' parameters just before the sync."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, compression="fp4")
+    inner = optax.sgd(0.05)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    data = batches(3)
+    for x in data[:2]:
+        state, m = step(state, x)
+        assert "compression_error" not in m
+    outer = toy_to_numpy(state.outer_model)
+    # the islands after step 3's inner update, before the sync replaces them
+    isl = []
+    for i in range(2):
+        p = toy_to_numpy(state.island(i))
+        g = __import__("tests.reference", fromlist=["np_loss_and_grad"]).np_loss_and_grad(
+            p, data[2][i * 4:(i + 1) * 4].astype(np.float64))[1]
+        isl.append({n: p[n] - 0.05 * g[n] for n in p})
+    want = []
+    for i in range(2):
+        d = {n: outer[n] - isl[i][n] for n in outer}
+        err = sum(np.sum((np_quantize(d[n], "fp4") - d[n]) ** 2) for n in d)
+        want.append(np.sqrt(err / sum(np.sum(d[n] ** 2) for n in d)))
+    state, m = step(state, data[2])
+    assert m["compression_error"] == pytest.approx(np.mean(want), rel=1e-4)
+    assert 0.02 < m["compression_error"] < 0.34

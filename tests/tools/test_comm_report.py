@@ -1,0 +1,63 @@
+"""tools/comm_report: bytes measured from the compiled step, pinned for one small model."""
+
+import functools
+import json
+
+import pytest
+
+from tools import comm_report
+
+SMALL = ["--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "16"]
+# The 2-layer, width-32 transformer: embeddings 256·32 + 16·32, final norm 32, head 32·256
+# (fragment 0, 25,120 values); each layer 2·32 norms + 32·96 qkv + 32·32 out + 2·32·128 MLP
+# = 12,352 values.
+FRAG0, LAYER = 256 * 32 + 16 * 32 + 32 + 32 * 256, 2 * 32 + 32 * 96 + 32 * 32 + 2 * 32 * 128
+TOTAL = FRAG0 + 2 * LAYER
+
+
+@functools.cache
+def report(*extra):
+    return comm_report.measure(comm_report.build_parser().parse_args(SMALL + list(extra)))
+
+
+def test_float32_bytes_are_the_parameter_bytes():
+    r = report("--num-fragments", "3")  # fragments: 0, layer 0, layer 1
+    assert r["num_params"] == TOTAL == 41_632
+    assert r["param_bytes"] == 4 * TOTAL
+    assert r["vanilla_collective_bytes"] == 4 * TOTAL
+    assert r["ddp_collective_bytes_per_step"] == 4 * TOTAL
+    assert [f["param_bytes"] for f in r["fragments"]] == [4 * FRAG0, 4 * LAYER, 4 * LAYER]
+    for f in r["fragments"]:
+        assert f["collective_bytes"] == f["param_bytes"]
+        assert f["ring_bytes"] == f["param_bytes"]  # ring all-reduce on D=2: 2·(1/2)·payload
+        assert f["formula_bytes"] == 2 * f["param_bytes"]
+
+
+@pytest.mark.parametrize("vanilla", [False, True])
+def test_compressed_bytes(vanilla):
+    flags = ["--no-streaming"] if vanilla else ["--num-fragments", "3"]
+    f32 = report(*flags)["fragments"]
+    bf16 = report(*flags, "--compression", "bf16")["fragments"]
+    fp4 = report(*flags, "--compression", "fp4")["fragments"]
+    # leaves per fragment: fragment 0 has embed, pos, final norm, head (4 tensors);
+    # a layer fragment has 6 (2 norms, qkv, out, 2 MLP)
+    leaves = [4 + 6] if vanilla else [4, 6, 6]  # a stacked leaf holds both layers
+    for a, b, c, n in zip(f32, bf16, fp4, leaves):
+        assert b["collective_bytes"] * 2 == a["collective_bytes"]
+        assert c["collective_bytes"] <= a["params"] / 2 + 4 * n
+        assert c["collective_bytes"] == a["params"] // 2 + 4 * n  # every leaf has an even size
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "comm.json"
+    assert comm_report.main(SMALL + ["--compression", "fp8", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r) >= {"param_bytes", "fragments", "vanilla_collective_bytes"}
+    assert [f["collective_bytes"] for f in r["fragments"]] == [FRAG0 + 4 * 4, LAYER + 4 * 6, LAYER + 4 * 6]
+    text = capsys.readouterr().out
+    assert "per fragment" in text and "DDP" in text and "vanilla DiLoCo, H=30" in text
+
+
+def test_bad_knob_is_a_clear_error(capsys):
+    assert comm_report.main(SMALL + ["--compression", "int3"]) == 2
+    assert "compression must be one of" in capsys.readouterr().err
