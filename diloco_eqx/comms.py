@@ -28,6 +28,9 @@ DTYPE_BYTES = {
     "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
 }  # fmt: skip
 
+CONTROL_DTYPES = ("s32", "pred")
+"""dtypes the step uses only for control values (island counts and masks), never payloads."""
+
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
@@ -64,12 +67,20 @@ class Collective:
     @property
     def payload_bytes(self) -> int:
         """Bytes each participant contributes: the whole operand of an all-reduce, its
-        1/n share of an all-gather's result."""
+        1/n share of an all-gather's result (control values excluded)."""
+        return self._per_participant(self._bytes(lambda dt: dt not in CONTROL_DTYPES))
+
+    @property
+    def control_bytes(self) -> int:
+        """The same for control values (int32 counts, bool masks) riding along a sync."""
+        return self._per_participant(self._bytes(lambda dt: dt in CONTROL_DTYPES))
+
+    def _per_participant(self, nbytes: int) -> int:
         if self.kind == "all-gather":
-            return self.bytes // self.group_size
+            return nbytes // self.group_size
         if self.kind == "reduce-scatter":
-            return self.bytes * self.group_size
-        return self.bytes
+            return nbytes * self.group_size
+        return nbytes
 
     @property
     def wire_bytes(self) -> float:
@@ -86,12 +97,17 @@ class Collective:
 
     @property
     def bytes(self) -> int:
+        """Bytes of everything the collective produces."""
+        return self._bytes(lambda dt: True)
+
+    def _bytes(self, keep) -> int:
         total = 0
         for dtype, dims in self.shapes:
-            n = 1
-            for d in dims:
-                n *= d
-            total += n * DTYPE_BYTES[dtype]
+            if keep(dtype):
+                n = 1
+                for d in dims:
+                    n *= d
+                total += n * DTYPE_BYTES[dtype]
         return total
 
 

@@ -51,6 +51,12 @@ class DiLoCoConfig:
     """Format of the pseudo-gradients on the wire: "none" (float32), "bf16", "fp8", "fp4"."""
     error_feedback: bool = False
     """Carry each island's quantization error into its next pseudo-gradient of that fragment."""
+    drops: tuple[tuple[int, int], ...] = ()
+    """Simulated faults: (step t, island k) pairs; island k's pseudo-gradient misses the sync at t."""
+    drop_prob: float | tuple[float, ...] = 0.0
+    """Chance that an island misses a sync: one value for every island, or one per island."""
+    fault_seed: int = 0
+    """Seed of the drop_prob coin (a function of the seed and t, so resumes repeat it)."""
 
     def __post_init__(self):
         check_int("num_replicas (K)", self.num_replicas, low=1)
@@ -88,6 +94,44 @@ class DiLoCoConfig:
                 "parameters at each sync); set streaming=True to use them",
                 stacklevel=3,
             )
+        self._check_faults()
+
+    def _check_faults(self) -> None:
+        k = self.num_replicas
+        try:
+            drops = tuple((s, i) for s, i in self.drops)
+        except (TypeError, ValueError):
+            raise ValueError(f"drops must be a list of (step, island) pairs; got {self.drops!r}") from None
+        object.__setattr__(self, "drops", drops)
+        sched = Schedule.from_config(self)
+        for s, i in drops:
+            check_int("drops step", s, low=1)
+            check_int("drops island", i, low=0)
+            if i >= k:
+                raise ValueError(f"drops island must be in 0..K-1 = 0..{k - 1}; got {i} (step {s})")
+            if sched.sync_fragment(s) is None:
+                raise ValueError(
+                    f"drops step {s} is not a sync step: syncs happen at multiples of "
+                    f"{sched.steps_between_syncs} (Δh), so island {i} would miss nothing"
+                )
+        probs = self.drop_prob
+        if isinstance(probs, (list, tuple)):
+            probs = tuple(probs)
+            object.__setattr__(self, "drop_prob", probs)
+            if len(probs) != k:
+                raise ValueError(f"drop_prob needs one value per island (K={k}); got {len(probs)}")
+        else:
+            probs = (probs,)
+        for p in probs:
+            check_number("drop_prob", p, "[0, 1]", lambda x: 0.0 <= x <= 1.0)
+        check_int("fault_seed", self.fault_seed, low=0)
+
+    @property
+    def island_drop_probs(self) -> tuple[float, ...]:
+        """drop_prob as one value per island."""
+        if isinstance(self.drop_prob, tuple):
+            return tuple(float(p) for p in self.drop_prob)
+        return (float(self.drop_prob),) * self.num_replicas
 
     @classmethod
     def from_maxtext(cls, cfg: Mapping[str, Any]) -> DiLoCoConfig:

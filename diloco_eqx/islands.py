@@ -82,6 +82,23 @@ def mean_over_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
     return jax.tree.map(mean, tree)
 
 
+def sum_over_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
+    """Sum over the leading island axis of every leaf, across all K islands."""
+
+    def total(x):
+        local = jnp.sum(x, axis=0)
+        return local if mesh is None else lax.psum(local, AXIS)
+
+    return jax.tree.map(total, tree)
+
+
+def island_ids(num_replicas: int, mesh: Mesh | None) -> jax.Array:
+    """Global indices (0..K-1) of the islands on this device slice, in local order."""
+    per_slice = num_replicas // axis_size(mesh)
+    first = 0 if mesh is None else lax.axis_index(AXIS) * per_slice
+    return first + jnp.arange(per_slice, dtype=jnp.int32)
+
+
 def gather_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
     """Every island's leaves on every device: (K/D, ...) per slice -> (K, ...), in island
     order. An all-gather moves the leaves as they are, so compressed payloads stay compressed."""

@@ -32,6 +32,9 @@ class DiLoCoState(eqx.Module):
     step: Int[Array, ""]
     residual: PyTree = None
     """Per-island quantization error carried to the next sync (error feedback), else None."""
+    pending: PyTree = None
+    """Per-island pseudo-gradients stashed at a sync for the next step's exchange (streaming
+    with V >= 1), else None."""
 
     def island(self, k: int) -> eqx.Module:
         """Island k's model (no K axis)."""
@@ -76,6 +79,11 @@ def init_state(
         residual = islands.place(
             per_island(jax.tree.map(jnp.zeros_like, params)), mesh, islands.ISLANDS
         )
+    pending = None
+    if cfg.streaming and cfg.overlap_steps >= 1:
+        pending = islands.place(
+            per_island(jax.tree.map(jnp.zeros_like, params)), mesh, islands.ISLANDS
+        )
     return DiLoCoState(
         inner_model=islands.place(inner_model, mesh, islands.ISLANDS),
         inner_opt_state=islands.place(inner_opt_state, mesh, islands.ISLANDS),
@@ -83,6 +91,7 @@ def init_state(
         outer_opt_state=islands.place(outer_opt_state, mesh, islands.REPLICATED),
         step=islands.place(jnp.zeros((), jnp.int32), mesh, islands.REPLICATED),
         residual=residual,
+        pending=pending,
     )
 
 

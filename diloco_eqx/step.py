@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, PyTree
 
-from diloco_eqx import compression, islands
+from diloco_eqx import exchange, islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.outer import blend, outer_optimizer, outer_step, pseudo_gradient, tree_norm
@@ -37,18 +37,25 @@ class StepMetrics(Mapping):
 
     Keys: "step" (t), "loss" (mean over islands), "loss_island_{i}", any other scalar the
     step reports; with a schedule, on sync steps also "sync_fragment", "pseudo_grad_norm"
-    (norm of the mean pseudo-gradient), "outer_update_norm" and, with compression,
-    "compression_error" (‖decoded − sent‖/‖sent‖, mean over islands); on apply steps
-    "apply_fragment".
+    (norm of the mean pseudo-gradient), "outer_update_norm", "islands_contributed" (islands
+    in the mean: not dropped, finite) and, with compression, "compression_error"
+    (‖decoded − sent‖/‖sent‖, mean over islands); on apply steps "apply_fragment". With the
+    deferred exchange the sync diagnostics arrive one step later, with "exchanged_fragment".
     """
 
-    SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm")
+    SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm", "islands_contributed")
     ISLAND_SYNC_KEYS = ("compression_error",)
     """Per-island sync metrics, reported as their mean over islands."""
 
-    def __init__(self, device_metrics: dict[str, Array], schedule: Schedule | None = None):
+    def __init__(
+        self,
+        device_metrics: dict[str, Array],
+        schedule: Schedule | None = None,
+        exchange_delay: int = 0,
+    ):
         self._device = device_metrics
         self._schedule = schedule
+        self._delay = exchange_delay
         self._host: dict[str, float | int] | None = None
 
     def _fetch(self) -> dict[str, float | int]:
@@ -66,7 +73,12 @@ class StepMetrics(Mapping):
                 synced = self._schedule.sync_fragment(t)
                 if synced is not None:
                     host["sync_fragment"] = synced
+                exchanged = self._schedule.sync_fragment(t - self._delay)
+                if exchanged is not None:
+                    if self._delay:
+                        host["exchanged_fragment"] = exchanged
                     host.update({k: float(m[k]) for k in self.SYNC_KEYS})
+                    host["islands_contributed"] = int(m["islands_contributed"])
                     host.update(
                         {k: float(np.mean(m[k])) for k in self.ISLAND_SYNC_KEYS if k in m}
                     )
@@ -96,12 +108,26 @@ def make_train_step(
     mesh: Mesh | None = None,
     *,
     layers: Callable[[Any], Any] = default_layers,
+    deferred: bool | None = None,
 ) -> Callable[[DiLoCoState, PyTree], tuple[DiLoCoState, StepMetrics]]:
     """The global step `(state, batch) -> (state, metrics)`; the state is donated.
 
     `batch` leaves have a leading axis of GBS rows; island k gets rows [k·GBS/K, (k+1)·GBS/K).
     `loss_fn(model, island_batch)` returns a scalar. `layers` points at the layer stack.
+
+    `deferred` (default: on exactly when streaming with V >= 1): the sync at step t only
+    stashes each island's pseudo-gradient; the exchange and outer step run in step t+1,
+    independent of its inner step, so the collective can overlap that step's compute. The
+    numbers are those of the direct form. `train_step.outer_model(state)` gives the outer
+    model with any pending sync folded in.
     """
+    if deferred is None:
+        deferred = cfg.streaming and cfg.overlap_steps >= 1
+    if deferred and not (cfg.streaming and cfg.overlap_steps >= 1):
+        raise ValueError(
+            "deferred=True needs streaming=True and overlap_steps (V) >= 1: with V = 0 the "
+            "outer fragment is applied in the same step it is synced"
+        )
     schedule = Schedule.from_config(cfg)
     islands.check_divides(cfg.num_replicas, mesh)
     outer_tx = outer_optimizer(cfg)
@@ -115,115 +141,173 @@ def make_train_step(
     def run(state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, dict[str, Array]]:
         frags = Fragmentation.from_model(state.outer_model, cfg, layers)
         inner_arrays, inner_static = eqx.partition(state.inner_model, eqx.is_array)
-
         island_step = inner_step(loss_fn, inner_optimizer, inner_static)
+        local_k = k // islands.axis_size(mesh)
 
-        def exchange(f, outer_f, deltas, residual):
-            """Mean pseudo-gradient over all K islands; compressed formats travel as
-            payloads and are averaged in float32 after decoding."""
-            if fmt == "none":
-                return islands.mean_over_islands(deltas, mesh), residual, {}
-            sent = deltas
-            if residual is not None:
-                res_f = jax.vmap(lambda r: frags.take(r, f))(residual)
-                sent = jax.tree.map(jnp.add, deltas, res_f)
-            payload = jax.vmap(lambda d: compression.tree_encode(d, fmt, check=False))(sent)
-            seen = jax.vmap(lambda p: compression.tree_decode(p, fmt, outer_f))(payload)
-            err = jax.tree.map(jnp.subtract, sent, seen)
-            if residual is not None:
-                residual = jax.vmap(lambda r, e: frags.put(r, f, e))(residual, err)
-            rel_err = jax.vmap(lambda e, s: tree_norm(e) / tree_norm(s))(err, sent)
-            everyone = islands.gather_islands(payload, mesh)
-            decoded = jax.vmap(lambda p: compression.tree_decode(p, fmt, outer_f))(everyone)
-            delta = jax.tree.map(lambda x: jnp.mean(x, axis=0), decoded)
-            return delta, residual, {"compression_error": jnp.nan_to_num(rel_err)}
-
-        def sync_branch(f):
-            def sync(inner, outer, outer_opt, residual):
-                with jax.named_scope(f"fragment_{f}"):
-                    outer_f = frags.take(params(outer), f)
-                    deltas = jax.vmap(
-                        lambda m: pseudo_gradient(outer_f, frags.take(params(m), f))
-                    )(inner)
-                    delta, residual, per_island = exchange(f, outer_f, deltas, residual)
-                    opt_f = frags.take_state(outer_tx, outer_opt, f)
-                    new_f, opt_f, update = outer_step(outer_tx, delta, opt_f, outer_f)
-                norms = {"pseudo_grad_norm": tree_norm(delta), "outer_update_norm": tree_norm(update)}
-                return (
-                    frags.put(outer, f, new_f),
-                    frags.put_state(outer_tx, outer_opt, f, opt_f),
-                    residual,
-                    norms,
-                    per_island,
-                )
-
-            return sync
-
-        def no_sync(inner, outer, outer_opt, residual):
-            zero = jnp.zeros((), jnp.float32)
-            per_island = {}
-            if fmt != "none":
-                local = jnp.zeros((k // islands.axis_size(mesh),), jnp.float32)
-                per_island = {"compression_error": islands.island_local(local, mesh)}
-            norms = {"pseudo_grad_norm": zero, "outer_update_norm": zero}
-            return outer, outer_opt, residual, norms, per_island
-
-        def apply_branch(f):
-            def apply(inner, outer):
-                outer_f = islands.island_local(frags.take(params(outer), f), mesh)
-                return jax.vmap(
-                    lambda m: frags.put(m, f, blend(frags.take(params(m), f), outer_f, alpha))
-                )(inner)
-
-            return apply
-
-        def on_fragment(f, make_branch, *operands):
+        def switch(f, make_branch, *operands):
             branches = [make_branch(i) for i in range(schedule.num_fragments)]
             if len(branches) == 1:
                 return branches[0](*operands)
             return lax.switch(f, branches, *operands)
 
-        def body(inner, inner_opt, outer, outer_opt, step, island_batches, residual):
-            inner, inner_opt, losses = jax.vmap(island_step)(inner, inner_opt, island_batches)
+        def local_deltas(f, inner, outer):
+            """Each island's pseudo-gradient of fragment f (no communication)."""
+            outer_f = frags.take(params(outer), f)
+            return jax.vmap(lambda m: pseudo_gradient(outer_f, frags.take(params(m), f)))(inner)
+
+        def reduce_and_step(f, t_sync, deltas, outer, outer_opt, residual):
+            """The exchange and outer step of fragment f for the sync at step t_sync."""
+            outer_f = frags.take(params(outer), f)
+            ok = exchange.contributes(cfg, t_sync, deltas, mesh)
+            res_f = None if residual is None else jax.vmap(lambda r: frags.take(r, f))(residual)
+            delta, count, res_f, per_island = exchange.mean_pseudo_gradient(
+                cfg, deltas, ok, res_f, outer_f, mesh
+            )
+            if residual is not None:
+                residual = jax.vmap(lambda r, e: frags.put(r, f, e))(residual, res_f)
+            opt_f = frags.take_state(outer_tx, outer_opt, f)
+            new_f, new_opt_f, update = outer_step(outer_tx, delta, opt_f, outer_f)
+            anyone = count > 0  # nobody reported: the outer fragment and its trace stay
+            new_f = exchange.keep_if(anyone, new_f, outer_f)
+            new_opt_f = exchange.keep_if(anyone, new_opt_f, opt_f)
+            sync_metrics = {
+                "pseudo_grad_norm": tree_norm(delta),
+                "outer_update_norm": jnp.where(anyone, tree_norm(update), 0.0),
+                "islands_contributed": count,
+            }
+            outer = frags.put(outer, f, new_f)
+            outer_opt = frags.put_state(outer_tx, outer_opt, f, new_opt_f)
+            return outer, outer_opt, residual, sync_metrics, per_island
+
+        def no_exchange(outer, outer_opt, residual):
+            zero = jnp.zeros((), jnp.float32)
+            sync_metrics = {"pseudo_grad_norm": zero, "outer_update_norm": zero,
+                            "islands_contributed": jnp.zeros((), jnp.int32)}
+            per_island = {}
+            if fmt != "none":
+                zeros = jnp.zeros((local_k,), jnp.float32)
+                per_island = {"compression_error": islands.island_local(zeros, mesh)}
+            return outer, outer_opt, residual, sync_metrics, per_island
+
+        def direct_sync(t, inner, outer, outer_opt, residual):
+            """Sync at t inside step t: pseudo-gradients, exchange, outer step."""
+
+            def branch(f):
+                def sync(inner, outer, outer_opt, residual):
+                    with jax.named_scope(f"fragment_{f}"):
+                        deltas = local_deltas(f, inner, outer)
+                        return reduce_and_step(f, t, deltas, outer, outer_opt, residual)
+
+                return sync
+
+            return lax.cond(
+                schedule.is_sync_traced(t),
+                lambda *ops: switch(schedule.fragment_at_traced(t), branch, *ops),
+                lambda inner, *rest: no_exchange(*rest),
+                inner, outer, outer_opt, residual,
+            )
+
+        def deferred_exchange(t_sync, pending, outer, outer_opt, residual):
+            """Exchange and outer step for the sync stashed at t_sync (the previous step);
+            reads only the stash and the outer state, never this step's inner work."""
+
+            def branch(f):
+                def sync(pending, outer, outer_opt, residual):
+                    with jax.named_scope(f"fragment_{f}"):
+                        deltas = jax.vmap(lambda p: frags.take(p, f))(pending)
+                        return reduce_and_step(f, t_sync, deltas, outer, outer_opt, residual)
+
+                return sync
+
+            return lax.cond(
+                schedule.is_sync_traced(t_sync),
+                lambda *ops: switch(schedule.fragment_at_traced(t_sync), branch, *ops),
+                lambda pending, *rest: no_exchange(*rest),
+                pending, outer, outer_opt, residual,
+            )
+
+        def stash(t, inner, outer, pending):
+            """At a sync step: keep each island's pseudo-gradient for the next step."""
+
+            def branch(f):
+                def keep(inner, outer, pending):
+                    deltas = local_deltas(f, inner, outer)
+                    return jax.vmap(lambda p, d: frags.put(p, f, d))(pending, deltas)
+
+                return keep
+
+            return lax.cond(
+                schedule.is_sync_traced(t),
+                lambda *ops: switch(schedule.fragment_at_traced(t), branch, *ops),
+                lambda inner, outer, pending: pending,
+                inner, outer, pending,
+            )
+
+        def apply(t, inner, outer):
+            def branch(f):
+                def apply_f(inner, outer):
+                    outer_f = islands.island_local(frags.take(params(outer), f), mesh)
+                    return jax.vmap(
+                        lambda m: frags.put(m, f, blend(frags.take(params(m), f), outer_f, alpha))
+                    )(inner)
+
+                return apply_f
+
+            return lax.cond(
+                schedule.is_apply_traced(t),
+                lambda *ops: switch(schedule.fragment_at_traced(t - schedule.overlap_steps), branch, *ops),
+                lambda inner, outer: inner,
+                inner, outer,
+            )
+
+        def body(inner, inner_opt, outer, outer_opt, step, island_batches, residual, pending):
+            if deferred:
+                with jax.named_scope("diloco_sync"):
+                    outer, outer_opt, residual, sync_metrics, per_island = deferred_exchange(
+                        step, pending, outer, outer_opt, residual
+                    )
+            with jax.named_scope("inner_step"):
+                inner, inner_opt, losses = jax.vmap(island_step)(inner, inner_opt, island_batches)
             t = step + 1
-            with jax.named_scope("diloco_sync"):
-                outer, outer_opt, residual, norms, per_island = lax.cond(
-                    schedule.is_sync_traced(t),
-                    lambda *ops: on_fragment(schedule.fragment_at_traced(t), sync_branch, *ops),
-                    no_sync,
-                    inner,
-                    outer,
-                    outer_opt,
-                    residual,
-                )
+            if deferred:
+                with jax.named_scope("diloco_stash"):
+                    pending = stash(t, inner, outer, pending)
+            else:
+                with jax.named_scope("diloco_sync"):
+                    outer, outer_opt, residual, sync_metrics, per_island = direct_sync(
+                        t, inner, outer, outer_opt, residual
+                    )
             if alpha != 1.0:  # α = 1 keeps every local fragment: the apply is the identity
                 with jax.named_scope("diloco_apply"):
-                    inner = lax.cond(
-                        schedule.is_apply_traced(t),
-                        lambda *ops: on_fragment(
-                            schedule.fragment_at_traced(t - schedule.overlap_steps),
-                            apply_branch,
-                            *ops,
-                        ),
-                        lambda inner, outer: inner,
-                        inner,
-                        outer,
-                    )
-            return inner, inner_opt, outer, outer_opt, t, residual, losses, norms, per_island
+                    inner = apply(t, inner, outer)
+            return inner, inner_opt, outer, outer_opt, t, residual, pending, losses, sync_metrics, per_island
 
         R, I = islands.REPLICATED, islands.ISLANDS
-        sharded_body = islands.shard_islands(
-            body, mesh, in_specs=(I, I, R, R, R, I, I), out_specs=(I, I, R, R, R, I, I, R, I)
-        )
         outer_arrays, outer_static = eqx.partition(state.outer_model, eqx.is_array)
-        inner, inner_opt, outer, outer_opt, t, residual, losses, norms, per_island = sharded_body(
-            inner_arrays,
-            state.inner_opt_state,
-            outer_arrays,
-            state.outer_opt_state,
-            state.step,
-            split_batch(batch, k),
-            state.residual,
+        if batch is None:  # settle: fold a pending exchange into the outer model, nothing else
+
+            def settle_body(outer, outer_opt, step, residual, pending):
+                outer, *_ = deferred_exchange(step, pending, outer, outer_opt, residual)
+                return outer
+
+            settle = islands.shard_islands(settle_body, mesh, in_specs=(R, R, R, I, I), out_specs=R)
+            outer = settle(outer_arrays, state.outer_opt_state, state.step, state.residual, state.pending)
+            return eqx.combine(outer, outer_static), {}
+
+        sharded_body = islands.shard_islands(
+            body, mesh, in_specs=(I, I, R, R, R, I, I, I), out_specs=(I, I, R, R, R, I, I, I, R, I)
+        )
+        inner, inner_opt, outer, outer_opt, t, residual, pending, losses, sync_metrics, per_island = (
+            sharded_body(
+                inner_arrays,
+                state.inner_opt_state,
+                outer_arrays,
+                state.outer_opt_state,
+                state.step,
+                split_batch(batch, k),
+                state.residual,
+                state.pending if deferred else None,
+            )
         )
         new_state = DiLoCoState(
             inner_model=eqx.combine(inner, inner_static),
@@ -232,24 +316,43 @@ def make_train_step(
             outer_opt_state=outer_opt,
             step=t,
             residual=residual,
+            pending=pending if deferred else state.pending,
         )
-        return new_state, {"step": t, "loss_island": losses, **norms, **per_island}
+        return new_state, {"step": t, "loss_island": losses, **sync_metrics, **per_island}
 
     # Donate the state, not the caller's batch: filter_jit donates every argument but the
     # first, so the compiled function takes (batch, state).
     compiled = eqx.filter_jit(lambda batch, state: run(state, batch), donate="all-except-first")
 
+    settled = eqx.filter_jit(lambda state: run(state, None)[0])
+
     def train_step(state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, StepMetrics]:
         check_batch(batch, k)
         state, device_metrics = compiled(islands.place(batch, mesh, islands.ISLANDS), state)
-        return state, StepMetrics(device_metrics, schedule)
+        return state, StepMetrics(device_metrics, schedule, exchange_delay=int(deferred))
+
+    def outer_model(state: DiLoCoState) -> eqx.Module:
+        """The outer model with every sync up to state.step applied: with the deferred
+        exchange a sync at the last step is still pending in the state; this folds it in
+        (for evaluation and comparisons) without changing the state."""
+        if not deferred:
+            return state.outer_model
+        return settled(state)
 
     def lower(state: DiLoCoState, batch: PyTree) -> jax.stages.Lowered:
         """The step lowered for these arguments: `.compile().as_text()` is its HLO."""
         return compiled.lower(islands.place(batch, mesh, islands.ISLANDS), state).lowered
 
+    def jaxpr(state: DiLoCoState, batch: PyTree) -> jax.extend.core.ClosedJaxpr:
+        """The step's traced program (for dependency analysis: `critical_path`)."""
+        placed = islands.place(batch, mesh, islands.ISLANDS)
+        return eqx.filter_make_jaxpr(lambda batch, state: run(state, batch))(placed, state)[0]
+
     train_step.lower = lower
+    train_step.jaxpr = jaxpr
     train_step.schedule = schedule
+    train_step.outer_model = outer_model
+    train_step.deferred = deferred
     return train_step
 
 

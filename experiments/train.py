@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -42,6 +43,9 @@ class Settings:
     outer_momentum: float = 0.9
     compression: str = "none"
     error_feedback: bool = False
+    drops: tuple[str, ...] = ()
+    drop_prob: tuple[float, ...] = (0.0,)
+    fault_seed: int = 0
     steps: int = 600
     seed: int = 0
     layers: int = 4
@@ -95,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--error-feedback", action=argparse.BooleanOptionalAction,
                    default=d.error_feedback,
                    help="carry each island's quantization error into its next sync")
+    g = p.add_argument_group("simulated island faults")
+    g.add_argument("--drops", nargs="+", default=list(d.drops), metavar="STEP:ISLAND",
+                   help="island ISLAND misses the sync at STEP (e.g. --drops 30:1 60:0)")
+    g.add_argument("--drop-prob", nargs="+", type=float, default=list(d.drop_prob),
+                   help="chance an island misses a sync: one value, or one per island")
+    g.add_argument("--fault-seed", type=int, default=d.fault_seed, help="seed of the drop coin")
     g = p.add_argument_group("model and inner optimizer (AdamW, warmup + cosine decay)")
     g.add_argument("--layers", type=int, default=d.layers)
     g.add_argument("--width", type=int, default=d.width)
@@ -130,6 +140,11 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     args["corpus"] = tuple(args["corpus"])
+    args["drops"] = tuple(args["drops"])
+    args["drop_prob"] = tuple(args["drop_prob"])
+    for item in args["drops"]:
+        if not re.fullmatch(r"\d+:\d+", item):
+            parser.error(f"--drops takes STEP:ISLAND pairs of integers (e.g. 30:1); got {item!r}")
     settings = Settings(**args)
     for name in ("num_replicas", "sync_period", "steps", "layers", "width", "heads", "seq_len",
                  "global_batch", "checkpoint_every", "eval_batches"):
@@ -184,6 +199,9 @@ def run(settings: Settings) -> dict[str, Any]:
             overlap_steps=s.overlap_steps, alpha=s.alpha, outer_lr=s.outer_lr,
             outer_momentum=s.outer_momentum, compression=s.compression,
             error_feedback=s.error_feedback,
+            drops=tuple(tuple(int(x) for x in d.split(":")) for d in s.drops),
+            drop_prob=s.drop_prob[0] if len(s.drop_prob) == 1 else s.drop_prob,
+            fault_seed=s.fault_seed,
         )
     for w in config_warnings:
         print(f"warning: {w.message}", file=sys.stderr)
@@ -247,7 +265,7 @@ def run(settings: Settings) -> dict[str, Any]:
     def evaluate(state) -> dict[str, float]:
         if s.mode == "ddp":
             return {"eval_loss": mean_loss(eval_loss, state.model, held_out)}
-        losses = {"eval_loss": mean_loss(eval_loss, state.outer_model, held_out)}
+        losses = {"eval_loss": mean_loss(eval_loss, step_fn.outer_model(state), held_out)}
         if s.eval_island:
             losses["eval_loss_island_0"] = mean_loss(eval_loss, state.island(0), held_out)
         return losses
@@ -339,8 +357,7 @@ def load_corpus(spec: tuple[str, ...], data):
 
 def _comparable(s: Settings) -> dict[str, Any]:
     d = dataclasses.asdict(s)
-    d["corpus"] = list(d["corpus"])
-    return d
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
 def _read_json(path: Path) -> dict:

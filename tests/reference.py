@@ -154,11 +154,15 @@ def np_run(
     momentum: float = 0.9,
     compression: str = "none",
     error_feedback: bool = False,
+    dropped=None,
+    log: dict | None = None,
 ):
     """Run SPEC.md's algorithm; returns (per-step island losses, outer params, islands).
 
     With `compression`, each island's pseudo-gradient of a leaf's fragment part goes through
-    `np_quantize` (plus its carried residual with `error_feedback`) before the mean."""
+    `np_quantize` (plus its carried residual with `error_feedback`) before the mean.
+    `dropped(t, i)` says island i misses the sync at t; an island whose pseudo-gradient
+    holds a NaN or Inf misses it too. The mean is over the others; with none, no outer step."""
     islands = [{n: a.copy() for n, a in model0.items()} for _ in range(k)]
     residual = [{n: np.zeros_like(a) for n, a in model0.items()} for _ in range(k)]
     states = [inner.init(isl) for isl in islands]
@@ -179,7 +183,7 @@ def np_run(
         def masks(f):
             return {n: slice(None) for n in model0}
 
-    losses = []
+    losses, contributed = [], []
     for step_idx, x in enumerate(batches):
         rows = np.split(x.astype(np.float64), k)
         step_losses = []
@@ -191,12 +195,18 @@ def np_run(
         t = step_idx + 1
         if t > 0 and t % dh == 0:  # sync
             f = (t % heff) // dh
-            for n, idx in masks(f).items():
-                if idx is None:
+            owned = {n: idx for n, idx in masks(f).items() if idx is not None}
+            present = [
+                i for i in range(k)
+                if not (dropped and dropped(t, i))
+                and all(np.all(np.isfinite(outer[n][idx] - islands[i][n][idx])) for n, idx in owned.items())
+            ]
+            for n, idx in owned.items():
+                if not present:
                     continue
                 sent = []
-                for i, isl in enumerate(islands):
-                    d = outer[n][idx] - isl[n][idx]
+                for i in present:
+                    d = outer[n][idx] - islands[i][n][idx]
                     if compression != "none":
                         if error_feedback:
                             d = d + residual[i][n][idx]
@@ -208,6 +218,7 @@ def np_run(
                 delta = np.mean(sent, axis=0)
                 trace[n][idx] = delta + momentum * trace[n][idx]
                 outer[n][idx] = outer[n][idx] - outer_lr * (delta + momentum * trace[n][idx])
+            contributed.append((t, len(present)))
         ta = t - (v if streaming else 0)
         if ta > 0 and ta % dh == 0:  # apply
             f = (ta % heff) // dh
@@ -216,7 +227,9 @@ def np_run(
                 if idx is None:
                     continue
                 for isl in islands:
-                    isl[n][idx] = a * isl[n][idx] + (1 - a) * outer[n][idx]
+                    isl[n][idx] = outer[n][idx] if a == 0 else a * isl[n][idx] + (1 - a) * outer[n][idx]
+    if log is not None:
+        log.update(contributed=contributed, trace=trace)  # (t, islands in the mean) per sync
     return np.array(losses), outer, islands
 
 

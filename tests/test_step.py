@@ -20,15 +20,17 @@ def batches(steps, seed=1):
     return [rng.normal(size=(GBS, WIDTH)).astype(np.float32) for _ in range(steps)]
 
 
-def run_jax(cfg, inner, data, mesh=None, model=None):
+def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None):
+    """Per-step island losses, and the final state with any pending sync folded into its
+    outer model (the deferred exchange of a sync at the last step happens in the next)."""
     model = make_toy(N_LAYERS, WIDTH) if model is None else model
     state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred)
     losses = []
     for x in data:
         state, m = step(state, x)
         losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
-    return np.array(losses), state
+    return np.array(losses), eqx.tree_at(lambda s: s.outer_model, state, step.outer_model(state))
 
 
 def assert_matches_reference(cfg, inner_jax, inner_np, steps):
@@ -127,22 +129,24 @@ def test_one_island_every_step_is_plain_training():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
 
 
-def test_alpha_one_islands_train_independently_while_outer_moves():
-    """Streaming with α=1: islands equal K separate plain runs; the outer model still moves."""
+@pytest.mark.parametrize("deferred", [False, True])
+def test_alpha_one_islands_train_independently_while_outer_moves(deferred):
+    """Streaming with α=1: islands equal K separate plain runs; the outer model still moves
+    (deferred: in the step after the sync, when the exchange runs)."""
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
                           overlap_steps=1, alpha=1.0)
     inner = optax.sgd(0.05)
     data = batches(12)
     model = make_toy(N_LAYERS, WIDTH)
     state = dl.init_state(model, inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    step = dl.make_train_step(cfg, toy_loss, inner, deferred=deferred)
     outer_before = toy_to_numpy(state.outer_model)
     for t, x in enumerate(data, start=1):
         prev = toy_to_numpy(state.outer_model)
         state, m = step(state, x)
         now = toy_to_numpy(state.outer_model)
         moved = {n for n in now if not np.array_equal(now[n], prev[n])}
-        f = dl.Schedule.from_config(cfg).sync_fragment(t)
+        f = dl.Schedule.from_config(cfg).sync_fragment(t - int(deferred))
         if f is None:
             assert not moved, f"outer params moved without a sync at t={t}"
         else:
@@ -195,7 +199,10 @@ def test_metrics_report_sync_and_apply():
     assert seen[3]["sync_fragment"] == 1 and "apply_fragment" not in seen[3]
     assert seen[4]["apply_fragment"] == 1 and "sync_fragment" not in seen[4]
     assert seen[12]["sync_fragment"] == 0 and seen[13]["apply_fragment"] == 0
-    assert seen[3]["pseudo_grad_norm"] > 0 and seen[3]["outer_update_norm"] > 0
+    # V=1: the exchange (and its diagnostics) comes in the step after the sync
+    assert "pseudo_grad_norm" not in seen[3] and seen[4]["exchanged_fragment"] == 1
+    assert seen[4]["pseudo_grad_norm"] > 0 and seen[4]["outer_update_norm"] > 0
+    assert seen[4]["islands_contributed"] == 2
     assert "pseudo_grad_norm" not in seen[5]
     assert seen[5]["loss"] == pytest.approx((seen[5]["loss_island_0"] + seen[5]["loss_island_1"]) / 2)
 

@@ -71,9 +71,11 @@ def measure(args: argparse.Namespace) -> dict:
     )
     per_device = comms.fragment_payload_bytes(hlo, schedule.num_fragments)
     ring = [0.0] * schedule.num_fragments
+    control = [0] * schedule.num_fragments
     for c in comms.collectives(hlo):
         if c.fragment is not None:
             ring[c.fragment] += c.wire_bytes
+            control[c.fragment] += c.control_bytes
     per_island = k // d  # islands per device: the payloads carry all of a device's islands
     vanilla_cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=args.sync_period)
     vanilla = comms.fragment_payload_bytes(_step_hlo(vanilla_cfg, *shape), 1)[0]
@@ -97,6 +99,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "collective_bytes": per_device[f] // per_island,
                 "ring_bytes": ring[f] / per_island,
                 "formula_bytes": 2 * n * b,
+                "control_bytes": control[f] // per_island,
             }
             for f, n in enumerate(frag_params)
         ],
@@ -178,6 +181,8 @@ def format_report(r: dict) -> str:
     formula = sum(f["formula_bytes"] for f in frags)
     lines.append(f"{'all':>8} {r['num_params']:>12,} {r['param_bytes']:>12,} {total:>12,} "
                  f"{ring:>12,.0f} {formula:>12,.0f}")
+    lines.append(f"(plus {max(f['control_bytes'] for f in frags)} bytes of control values per sync: "
+                 "the count of contributing islands, or their mask)")
     n4 = r["param_bytes"]
     ddp, van = r["ddp_collective_bytes_per_step"], r["vanilla_collective_bytes"]
     h = c["sync_period"]

@@ -1,0 +1,76 @@
+"""The deferred exchange (streaming, V >= 1): same numbers as the direct form, and the
+collective off the critical path of the step that runs it."""
+
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from diloco_eqx import critical_path
+from tests.reference import make_toy, toy_loss, toy_to_numpy
+from tests.test_step import N_LAYERS, WIDTH, batches, run_jax
+
+
+@pytest.mark.parametrize("v", [1, 2, 5])
+@pytest.mark.parametrize("order", ["interleaved", "sequential"])
+def test_deferred_equals_direct(v, order):
+    # H=6, P=3: Δh=2, H_eff=6; 3·H_eff = 18 steps, ending on a sync (folded in by outer_model)
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+                          fragment_order=order, overlap_steps=v, alpha=0.5)
+    data = batches(18)
+    inner = optax.adamw(0.01)
+    direct_losses, direct = run_jax(cfg, inner, data, deferred=False)
+    for mesh in (None, dl.make_mesh(2)):
+        losses, deferred = run_jax(cfg, inner, data, mesh=mesh, deferred=True)
+        np.testing.assert_allclose(losses, direct_losses, rtol=1e-6, atol=1e-6)
+        for name, want in toy_to_numpy(direct.outer_model).items():
+            np.testing.assert_allclose(toy_to_numpy(deferred.outer_model)[name], want, rtol=1e-6, atol=1e-7)
+        for i in range(2):
+            for name, want in toy_to_numpy(direct.island(i)).items():
+                np.testing.assert_allclose(toy_to_numpy(deferred.island(i))[name], want, rtol=1e-6, atol=1e-7)
+
+
+def analysis(deferred, cfg=None, mesh_size=2):
+    cfg = cfg or dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+                                 overlap_steps=1)
+    mesh = dl.make_mesh(mesh_size)
+    inner = optax.adamw(0.01)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred)
+    return critical_path.analyze(step.jaxpr(state, batches(1)[0]))
+
+
+@pytest.mark.parametrize("compression", ["none", "fp4"])
+def test_deferred_collective_is_independent_of_the_inner_step(compression):
+    cfg = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3,
+                          overlap_steps=2, compression=compression)
+    a = analysis(True, cfg)
+    colls = a.collectives()
+    assert colls and {c.primitive for c in colls} <= {"psum_invariant", "psum", "all_gather_invariant", "all_gather"}
+    assert all("diloco_sync" in c.scope.split("/") for c in colls)
+    assert len(a.in_scope("inner_step")) > 20
+    assert set(a.collective_depends_on_inner_step().values()) == {0}
+    assert a.inner_step_depends_on_collective() == set()
+
+
+def test_direct_form_collective_waits_for_the_inner_step():
+    """The same analysis on the direct form finds the dependency (so the test above can fail)."""
+    a = analysis(False)
+    assert all(n > 0 for n in a.collective_depends_on_inner_step().values())
+
+
+def test_deferred_needs_overlap():
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3)
+    with pytest.raises(ValueError, match=r"deferred=True needs streaming=True and overlap_steps \(V\) >= 1"):
+        dl.make_train_step(cfg, toy_loss, optax.sgd(0.1), deferred=True)
+
+
+def test_tool_prints_the_evidence(capsys):
+    from tools import sync_dependencies
+
+    small = ["--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "16", "--overlap-steps", "1"]
+    assert sync_dependencies.main(small) == 0
+    out = capsys.readouterr().out
+    assert "deferred exchange" in out and "off the critical path" in out
+    assert sync_dependencies.main(small + ["--direct"]) == 0
+    assert "on the critical path" in capsys.readouterr().out

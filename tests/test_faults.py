@@ -1,0 +1,129 @@
+"""Island faults: dropped islands and non-finite pseudo-gradients leave the mean, against the
+NumPy reference with the same drops; an all-dropped sync changes nothing."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from tests.reference import NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
+from tests.test_step import N_LAYERS, WIDTH, batches, run_jax
+
+
+def reference(cfg, data, dropped, log=None):
+    return np_run(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
+        inner=NpSGD(0.05), streaming=cfg.streaming, p=cfg.num_fragments,
+        order=cfg.fragment_order, v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum, compression=cfg.compression, dropped=dropped, log=log,
+    )
+
+
+def coin_drops(cfg):
+    """The drop_prob coins, drawn here the way the config documents them."""
+    probs = np.asarray(cfg.island_drop_probs)
+
+    def dropped(t, i):
+        u = jax.random.uniform(jax.random.fold_in(jax.random.key(cfg.fault_seed), t), (len(probs),))
+        return bool(np.asarray(u)[i] < probs[i])
+
+    return dropped
+
+
+def run_and_record(cfg, data, mesh=None):
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.05), cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, optax.sgd(0.05), mesh)
+    losses, counts = [], {}
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
+        if "islands_contributed" in m:
+            counts[m["step"] - int(step.deferred)] = m["islands_contributed"]
+    return np.array(losses), toy_to_numpy(step.outer_model(state)), counts
+
+
+LISTED = ((4, 1), (8, 0), (8, 3), (12, 2), (16, 0), (16, 1), (16, 2), (16, 3))
+
+
+@pytest.mark.parametrize("streaming,v,fmt", [(False, 0, "none"), (True, 0, "none"),
+                                             (True, 1, "none"), (True, 2, "fp4")])
+@pytest.mark.parametrize("kind", ["listed", "coin"])
+def test_drops_match_reference(streaming, v, fmt, kind):
+    common = dict(num_replicas=4, sync_period=4, compression=fmt)
+    if streaming:
+        common.update(streaming=True, sync_period=6, num_fragments=3, overlap_steps=v, alpha=0.5)
+    if kind == "listed":
+        sched = dl.Schedule.from_config(dl.DiLoCoConfig(**common))
+        cfg = dl.DiLoCoConfig(**common, drops=[d for d in LISTED if sched.sync_fragment(d[0]) is not None])
+        dropped = lambda t, i: (t, i) in cfg.drops  # noqa: E731
+    else:
+        cfg = dl.DiLoCoConfig(**common, drop_prob=[0.0, 0.5, 0.25, 0.9], fault_seed=3)
+        dropped = coin_drops(cfg)
+    data = batches(24)
+    log = {}
+    ref_losses, ref_outer, _ = reference(cfg, data, dropped, log)
+    for mesh in (None, dl.make_mesh(2)):
+        losses, outer, counts = run_and_record(cfg, data, mesh)
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+        for name in outer:
+            np.testing.assert_allclose(outer[name], ref_outer[name], rtol=2e-5, atol=2e-5)
+        assert {t: c for t, c in log["contributed"] if t in counts} == counts
+    assert min(c for _, c in log["contributed"]) < 4  # some sync really lost islands
+    plain = reference(dl.DiLoCoConfig(**common), data, None)[1]
+    assert any(not np.allclose(plain[n], ref_outer[n], rtol=1e-4) for n in plain)
+
+
+def test_all_dropped_sync_changes_nothing():
+    # vanilla, H=3: the sync at t=6 loses both islands
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, drops=[(6, 0), (6, 1)])
+    inner = optax.sgd(0.05)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    data = batches(6)
+    for x in data[:5]:
+        state, _ = step(state, x)
+    before = jax.tree.map(np.asarray, (state.outer_model, state.outer_opt_state))
+    state, m = step(state, data[5])
+    after = jax.tree.map(np.asarray, (state.outer_model, state.outer_opt_state))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    assert m["islands_contributed"] == 0 and m["outer_update_norm"] == 0.0
+    # and the islands still received the (unchanged) outer model: they rejoin
+    for i in range(2):
+        for name, want in toy_to_numpy(state.outer_model).items():
+            np.testing.assert_array_equal(toy_to_numpy(state.island(i))[name], want)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("mesh_size", [None, 2])
+def test_non_finite_island_is_dropped_and_rejoins(bad, mesh_size):
+    """Island 1 sees a NaN/Inf batch at t=5, so its parameters (and pseudo-gradient at the
+    sync t=6) are non-finite: the sync averages island 0 alone, reports 1 contributor, and
+    the apply hands island 1 finite outer parameters again."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3)
+    data = batches(9)
+    data[4] = data[4].copy()
+    data[4][4:] = bad  # island 1's rows
+    mesh = None if mesh_size is None else dl.make_mesh(mesh_size)
+    losses, outer, counts = run_and_record(cfg, data, mesh)
+    log = {}
+    ref_losses, ref_outer, _ = reference(cfg, data, None, log)
+    assert counts == {3: 2, 6: 1, 9: 2} == dict(log["contributed"])
+    assert all(np.all(np.isfinite(v)) for v in outer.values())
+    for name in outer:
+        np.testing.assert_allclose(outer[name], ref_outer[name], rtol=2e-5, atol=2e-5)
+    assert np.isfinite(losses[6:]).all()  # island 1 is back after the apply at t=6
+
+
+def test_fault_knobs_are_validated():
+    with pytest.raises(ValueError, match="drops step 5 is not a sync step"):
+        dl.DiLoCoConfig(num_replicas=2, sync_period=3, drops=[(5, 0)])
+    with pytest.raises(ValueError, match=r"drops island must be in 0..K-1 = 0..1; got 2"):
+        dl.DiLoCoConfig(num_replicas=2, sync_period=3, drops=[(3, 2)])
+    with pytest.raises(ValueError, match=r"drop_prob needs one value per island \(K=2\); got 3"):
+        dl.DiLoCoConfig(num_replicas=2, drop_prob=[0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match=r"drop_prob must be a number in \[0, 1\]; got 1.5"):
+        dl.DiLoCoConfig(num_replicas=2, drop_prob=1.5)
+    with pytest.raises(ValueError, match="drops must be a list of"):
+        dl.DiLoCoConfig(num_replicas=2, drops=[3])
