@@ -175,9 +175,12 @@ class Windows(grain.sources.RandomAccessDataSource):
         return self.tokens[s : s + self.length].astype(np.int32)
 
 
-def _batches(tokens, starts, length, rows, seed) -> grain.MapDataset:
-    windows = grain.MapDataset.source(Windows(tokens, starts, length))
-    return windows.shuffle(seed=seed).batch(rows, drop_remainder=True).repeat()
+def _batches(tokens, starts, length, rows, seed, keep) -> grain.MapDataset:
+    """Batches of `rows` shuffled windows, of which rows keep[0]..keep[1]-1 are read."""
+    windows = Windows(tokens, starts, length)
+    order = grain.MapDataset.range(len(windows)).shuffle(seed=seed)
+    batches = order.batch(rows, drop_remainder=True).repeat()
+    return batches.map(lambda idx: np.stack([windows[i] for i in idx[keep[0] : keep[1]]]))
 
 
 def island_documents(corpus: Corpus, doc_ids: np.ndarray, num_islands: int) -> list[np.ndarray]:
@@ -197,11 +200,14 @@ def train_batches(
     num_islands: int,
     seed: int,
     non_iid: bool = False,
+    rows: tuple[int, int] | None = None,
 ) -> grain.MapDataset:
     """Endless global batches int32[GBS, seq_len + 1]; rows [k·GBS/K, (k+1)·GBS/K) are island k's.
 
     Windows are drawn without replacement within an epoch (so a global batch never holds one
-    window twice) and reshuffled every epoch from `seed`.
+    window twice) and reshuffled every epoch from `seed`. With `rows=(lo, hi)` each batch
+    holds only rows lo..hi-1 of the global batch and only those windows are read (a process
+    loads just its own islands' data); the order is the same as the full batch's.
     """
     length = seq_len + 1
     if global_batch % num_islands:
@@ -209,20 +215,26 @@ def train_batches(
             f"global batch size (GBS)={global_batch} must be divisible by num_replicas "
             f"(K)={num_islands}"
         )
+    lo, hi = (0, global_batch) if rows is None else rows
+    if not 0 <= lo < hi <= global_batch:
+        raise ValueError(f"rows must be a range inside 0..{global_batch}; got {rows}")
     groups = island_documents(corpus, doc_ids, num_islands) if non_iid else [doc_ids]
-    rows = global_batch // len(groups)
+    per = global_batch // len(groups)
     per_group = []
     for k, ids in enumerate(groups):
+        mine = (max(lo - k * per, 0), min(hi - k * per, per))  # this group's rows we keep
+        if mine[0] >= mine[1]:
+            continue
         starts = corpus.windows(ids, length)
-        if len(starts) < rows:
+        if len(starts) < per:
             where = f"island {k}'s documents" if non_iid else "the training documents"
             longest = int(corpus.doc_sizes()[ids].max()) if len(ids) else 0
             raise ValueError(
                 f"seq_len={seq_len} leaves {len(starts)} windows of {length} tokens in {where} "
-                f"(longest document: {longest} bytes), fewer than the {rows} rows a batch needs; "
+                f"(longest document: {longest} bytes), fewer than the {per} rows a batch needs; "
                 "use a shorter --seq-len, a smaller --global-batch or a larger corpus"
             )
-        per_group.append(_batches(corpus.tokens, starts, length, rows, seed + 1000 * k))
+        per_group.append(_batches(corpus.tokens, starts, length, per, seed + 1000 * k, mine))
     if len(per_group) == 1:
         return per_group[0]
     return grain.MapDataset.range(sys.maxsize).map(

@@ -115,6 +115,22 @@ def island_local(tree: PyTree, mesh: Mesh | None) -> PyTree:
     return jax.tree.map(lambda x: lax.pcast(x, AXIS, to="varying"), tree)
 
 
+def to_host(tree: PyTree) -> PyTree:
+    """NumPy copies of a tree of arrays, also when they span several processes: a replicated
+    array is read from a local shard, a sharded one is all-gathered (every process must call
+    this at the same point)."""
+    from jax.experimental import multihost_utils
+
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(get, tree)
+
+
 def place(tree: PyTree, mesh: Mesh | None, spec: P) -> PyTree:
     """Lay the array leaves of `tree` out on `mesh` with partition spec `spec`."""
     if mesh is None:

@@ -60,7 +60,7 @@ class StepMetrics(Mapping):
 
     def _fetch(self) -> dict[str, float | int]:
         if self._host is None:
-            m = jax.device_get(self._device)
+            m = islands.to_host(self._device)
             t = int(m["step"])
             losses = np.asarray(m["loss_island"], np.float64)
             host: dict[str, float | int] = {"step": t, "loss": float(losses.mean())}

@@ -64,9 +64,18 @@ class Settings:
     corpus: tuple[str, ...] = ("stdlib",)
     non_iid: bool = False
     devices: int | None = None
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    heartbeat_timeout: int = 30
     out: str = "runs/default"
     resume: bool = False
     progress: bool = True
+
+
+RESUMABLE_CHANGES = ("steps", "resume", "progress", "out", "coordinator", "num_processes",
+                     "process_id", "heartbeat_timeout", "devices")
+"""Settings a --resume may change: the numbers do not depend on how islands are laid out."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -133,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--devices", type=int, default=d.devices,
                    help="simulated host devices on the diloco axis (default: none, islands vmapped)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    g = p.add_argument_group(
+        "multi-process (jax.distributed; defaults from JAX_COORDINATOR_ADDRESS, "
+        "JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+    g.add_argument("--coordinator", default=d.coordinator, metavar="HOST:PORT",
+                   help="address of process 0's coordination service; turns multi-process on")
+    g.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
+    g.add_argument("--heartbeat-timeout", type=int, default=d.heartbeat_timeout,
+                   help="seconds without a peer's heartbeat before the run stops with an error")
     return p
 
 
@@ -140,6 +158,23 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     args["corpus"] = tuple(args["corpus"])
+    env = os.environ
+    if args["coordinator"] is None and env.get("JAX_COORDINATOR_ADDRESS"):
+        args["coordinator"] = env["JAX_COORDINATOR_ADDRESS"]
+    for name, var, default in (("num_processes", "JAX_NUM_PROCESSES", 1),
+                               ("process_id", "JAX_PROCESS_ID", 0)):
+        if args[name] is None:
+            args[name] = int(env[var]) if env.get(var) else default
+    if args["coordinator"] is not None and not re.fullmatch(r"[^\s:]+:\d+", args["coordinator"]):
+        parser.error(f"--coordinator must be HOST:PORT; got {args['coordinator']!r}")
+    if args["num_processes"] < 1 or not 0 <= args["process_id"] < args["num_processes"]:
+        parser.error(f"--process-id must be in 0..--num-processes-1 = 0..{args['num_processes'] - 1}; "
+                     f"got {args['process_id']}")
+    if args["num_processes"] > 1 and args["coordinator"] is None:
+        parser.error("--num-processes > 1 needs --coordinator HOST:PORT (process 0's address)")
+    if args["num_replicas"] % args["num_processes"]:
+        parser.error(f"--num-replicas (K)={args['num_replicas']} must be divisible by "
+                     f"--num-processes={args['num_processes']}: each process runs K/N islands")
     args["drops"] = tuple(args["drops"])
     args["drop_prob"] = tuple(args["drop_prob"])
     for item in args["drops"]:
@@ -180,6 +215,17 @@ def run(settings: Settings) -> dict[str, Any]:
     import jax
     import optax
 
+    distributed = settings.coordinator is not None
+    if distributed:
+        # CPU collectives across processes go through gloo; GPU/TPU backends ignore this.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            settings.coordinator, settings.num_processes, settings.process_id,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout,
+            shutdown_timeout_seconds=settings.heartbeat_timeout,
+        )
+    primary = jax.process_index() == 0
+
     import diloco_eqx as dl
     from diloco_eqx import comms, compression, data
     from diloco_eqx.checkpoint import Checkpointer, key_from_json, key_to_json
@@ -207,14 +253,24 @@ def run(settings: Settings) -> dict[str, Any]:
         print(f"warning: {w.message}", file=sys.stderr)
     model_cfg = TransformerConfig(num_layers=s.layers, width=s.width, num_heads=s.heads,
                                   seq_len=s.seq_len)
-    if s.devices and len(jax.devices()) < s.devices:
-        raise ValueError(f"--devices {s.devices}: only {len(jax.devices())} devices are visible; "
-                         "jax was started before XLA_FLAGS could ask for more")
-    mesh = dl.make_mesh(s.devices) if s.devices else None
+    if s.devices and len(jax.local_devices()) < s.devices:
+        raise ValueError(f"--devices {s.devices}: only {len(jax.local_devices())} devices are "
+                         "visible; jax was started before XLA_FLAGS could ask for more")
+    if distributed:  # every process's devices, process by process: island k lives on process k·N/K
+        devices = sorted(jax.devices(), key=lambda dev: (dev.process_index, dev.id))
+        per_process = s.devices or len(jax.local_devices())
+        devices = [dev for dev in devices
+                   if [x for x in devices if x.process_index == dev.process_index].index(dev) < per_process]
+        mesh = dl.make_mesh(devices=devices)
+    else:
+        mesh = dl.make_mesh(s.devices) if s.devices else None
     corpus = load_corpus(s.corpus, data)
     train_ids, eval_ids = corpus.split()
+    share = s.global_batch // jax.process_count()  # this process's islands' rows
+    rows = (jax.process_index() * share, (jax.process_index() + 1) * share)
     train_ds = data.train_batches(corpus, train_ids, seq_len=s.seq_len, global_batch=s.global_batch,
-                                  num_islands=s.num_replicas, seed=s.seed, non_iid=s.non_iid)
+                                  num_islands=s.num_replicas, seed=s.seed, non_iid=s.non_iid,
+                                  rows=rows if distributed else None)
     held_out = data.eval_batches(corpus, eval_ids, seq_len=s.seq_len, batch_size=s.global_batch,
                                  max_batches=s.eval_batches)
     key = jax.random.key(s.seed)
@@ -227,7 +283,7 @@ def run(settings: Settings) -> dict[str, Any]:
     if s.resume and (out / "run.json").exists():
         previous = _read_json(out / "run.json")["settings"]
         changed = {k: (previous.get(k), v) for k, v in _comparable(s).items()
-                   if previous.get(k) != v and k not in ("steps", "resume", "progress", "out")}
+                   if previous.get(k) != v and k not in RESUMABLE_CHANGES}
         if changed:
             raise ValueError(f"--resume with different settings than the run in {out}: "
                              + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
@@ -270,9 +326,15 @@ def run(settings: Settings) -> dict[str, Any]:
             losses["eval_loss_island_0"] = mean_loss(eval_loss, state.island(0), held_out)
         return losses
 
+    if distributed:  # every process has passed the checks before any of them writes
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("diloco_eqx: settings checked")
     out.mkdir(parents=True, exist_ok=True)
     checkpointer = Checkpointer(out / "checkpoints")
     batches = iter(train_ds.to_iter_dataset())
+    if distributed:
+        batches = _GlobalBatches(batches, mesh, (s.global_batch, s.seq_len + 1))
     start, elapsed = 0, 0.0
     if s.resume and checkpointer.latest_step() is not None:
         start, state, extra = checkpointer.restore(state)
@@ -298,18 +360,21 @@ def run(settings: Settings) -> dict[str, Any]:
         "machine": {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()]},
         "command": sys.argv,
     }
-    write_json(out / "run.json", meta)
+    if primary:
+        write_json(out / "run.json", meta)
     print(f"{s.mode}{' streaming' if s.streaming and s.mode == 'diloco' else ''}: "
           f"{count_params(model):,} params, corpus {corpus.name} "
           f"({corpus.metadata['bytes']:,} bytes, {len(train_ids)} train / {len(eval_ids)} held-out files), "
-          f"{tokens_per_step} tokens/step, out {out}", file=sys.stderr)
-    writer = JsonlWriter(out / "metrics.jsonl", keep_through=start)
+          f"{tokens_per_step} tokens/step, out {out}"
+          + (f", process {jax.process_index()} of {jax.process_count()}" if distributed else ""),
+          file=sys.stderr)
+    writer = JsonlWriter(out / "metrics.jsonl", keep_through=start) if primary else _Discard()
     try:
         state = train_loop(
             state, step_fn, batches,
             cfg=LoopConfig(steps=s.steps, eval_every=s.eval_every,
                            checkpoint_every=s.checkpoint_every, tokens_per_step=tokens_per_step,
-                           progress=s.progress),
+                           progress=s.progress and primary),
             start_step=start, metrics=writer, evaluate=evaluate, describe=describe,
             checkpointer=checkpointer, extra=lambda: {"rng": key_to_json(key)}, elapsed=elapsed,
         )
@@ -317,6 +382,8 @@ def run(settings: Settings) -> dict[str, Any]:
         writer.close()
         checkpointer.close()
     final = evaluate(state)
+    if not primary:  # process 0 writes the summary, the plot and run.json
+        return dict(final)
     records = read_jsonl(out / "metrics.jsonl")
     steps_rows = [r for r in records if not r.get("eval")]
     summary = {
@@ -340,6 +407,42 @@ def run(settings: Settings) -> dict[str, Any]:
           f"{unigram:.4f}" + (f", source optimum {corpus.entropy_rate:.4f}" if corpus.entropy_rate else "")
           + f"); wrote {out}", file=sys.stderr)
     return summary
+
+
+class _Discard:
+    """Stands in for the metrics writer on processes other than 0."""
+
+    def write(self, row) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _GlobalBatches:
+    """This process's rows of each global batch, as one global array over the diloco axis."""
+
+    def __init__(self, it, mesh, shape):
+        import jax
+
+        import diloco_eqx as dl
+
+        self._it, self._shape = it, shape
+        self._sharding = jax.sharding.NamedSharding(mesh, dl.islands.ISLANDS)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import jax
+
+        return jax.make_array_from_process_local_data(self._sharding, next(self._it), self._shape)
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, state) -> None:
+        self._it.set_state(state)
 
 
 def load_corpus(spec: tuple[str, ...], data):
@@ -385,10 +488,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(settings)
     except (ValueError, FileNotFoundError) as e:
-        if not existed and out.exists() and not (out / "run.json").exists():
+        if not existed and out.exists() and not (out / "run.json").exists() and settings.process_id == 0:
             shutil.rmtree(out, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if settings.coordinator is None:
+            raise
+        # A peer died or the link broke: say so and leave now, without waiting for the
+        # distributed runtime's shutdown barrier (which the dead peer would never reach).
+        print(f"error: process {settings.process_id} of {settings.num_processes} stopped: "
+              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n"
+              f"  a peer process probably failed; restart every process with --resume to continue "
+              f"from the last checkpoint in {out / 'checkpoints'}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
     return 0
 
 

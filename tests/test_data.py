@@ -149,3 +149,18 @@ def test_eval_batches_are_fixed():
     b = data.eval_batches(corpus, held, seq_len=15, batch_size=4, max_batches=3)
     assert len(a) == 3 and all(x.shape == (4, 16) for x in a)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("non_iid", [False, True])
+def test_process_rows_are_the_matching_slice_of_the_global_batch(non_iid):
+    """A process that loads rows lo..hi-1 gets exactly those rows of every global batch."""
+    corpus = data.Corpus.markov(num_bytes=200_000, seed=0, doc_bytes=5_000)
+    train, _ = corpus.split()
+    kw = dict(seq_len=16, global_batch=8, num_islands=4, seed=5, non_iid=non_iid)
+    full = data.train_batches(corpus, train, **kw)
+    for lo, hi in [(0, 4), (4, 8), (2, 6), (6, 8)]:
+        part = data.train_batches(corpus, train, rows=(lo, hi), **kw)
+        for i in (0, 1, 37, 500):
+            np.testing.assert_array_equal(part[i], full[i][lo:hi])
+    with pytest.raises(ValueError, match=r"rows must be a range inside 0..8"):
+        data.train_batches(corpus, train, rows=(4, 9), **kw)

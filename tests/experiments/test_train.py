@@ -63,6 +63,9 @@ def test_ddp_and_vanilla_modes_run(tmp_path):
     (["--corpus", "{empty}/*.txt"], "is empty"),
     (["--corpus", "markov", "doc_bytes=20000", "--seq-len", "30000"],
      "seq_len=30000 leaves 0 windows"),
+    (["--compression", "int4"], "compression must be one of ('none', 'bf16', 'fp8', 'fp4')"),
+    (["--drops", "7:0"], "drops step 7 is not a sync step"),
+    (["--drop-prob", "0.1", "0.2", "0.3"], "drop_prob needs one value per island (K=2); got 3"),
 ])
 def test_bad_input_leaves_no_run_directory(tmp_path, capsys, argv, message):
     (tmp_path / "e1.txt").write_text("")
@@ -77,6 +80,13 @@ def test_bad_input_leaves_no_run_directory(tmp_path, capsys, argv, message):
 @pytest.mark.parametrize("argv,message", [
     (["--global-batch", "5"], "--global-batch (GBS)=5 must be divisible by --num-replicas (K)=2"),
     (["--mode", "async"], "invalid choice: 'async'"),
+    (["--drops", "30"], "--drops takes STEP:ISLAND pairs of integers (e.g. 30:1); got '30'"),
+    (["--coordinator", "localhost"], "--coordinator must be HOST:PORT; got 'localhost'"),
+    (["--num-processes", "2"], "--num-processes > 1 needs --coordinator HOST:PORT"),
+    (["--coordinator", "h:1", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in 0..--num-processes-1 = 0..1; got 2"),
+    (["--coordinator", "h:1", "--num-processes", "4", "--process-id", "0", "--num-replicas", "2",
+      "--global-batch", "4"], "--num-replicas (K)=2 must be divisible by --num-processes=4"),
 ])
 def test_bad_flags_are_usage_errors(tmp_path, capsys, argv, message):
     out = tmp_path / "run"
