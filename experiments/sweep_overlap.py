@@ -1,0 +1,126 @@
+"""The overlap ablation: Streaming DiLoCo with V in {0,1,2,5,10} x α in {0,0.5,1}, 2 seeds each.
+
+    python -m experiments.sweep_overlap --out runs/overlap            # 30 runs, ~15 min on 2 cores
+    python -m experiments.sweep_overlap --out runs/overlap --quick    # 4 runs, ~1 min
+    python -m experiments.sweep_overlap --out runs/overlap --parallel 2
+
+Plot (OUT/overlap.png): final held-out loss against V, one line per α, as the change in %
+relative to the same α at V=0 (seed mean), with every seed as a dot and the seed range as
+a band. OUT/summary.csv has every run; OUT/overlap.json the per-point means and spreads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from experiments.sweep import run_sweep
+
+MODEL = ["--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "64", "--global-batch", "8"]
+SETTING = ["--streaming", "--num-replicas", "2", "--sync-period", "30", "--num-fragments", "3"]
+
+
+def grid_and_base(quick: bool) -> tuple[dict, list[str]]:
+    if quick:
+        grid = {"overlap_steps": [0, 5], "alpha": [0.0, 1.0], "seed": [0]}
+        steps = 40
+    else:
+        grid = {"overlap_steps": [0, 1, 2, 5, 10], "alpha": [0.0, 0.5, 1.0], "seed": [0, 1]}
+        steps = 600
+    base = [*MODEL, *SETTING, "--steps", str(steps), "--eval-every", str(steps),
+            "--checkpoint-every", str(steps), "--eval-batches", "16"]
+    return grid, base
+
+
+def analyse(rows: list[dict]) -> dict:
+    """Per (α, V): seed mean and range of the final loss, and the change vs V=0 in %."""
+    by = {}
+    for r in rows:
+        by.setdefault((float(r["alpha"]), int(r["overlap_steps"])), []).append(r["eval_loss"])
+    out = {}
+    for (a, v), losses in sorted(by.items()):
+        ref = np.mean(by[(a, 0)]) if (a, 0) in by else np.nan
+        out[f"alpha={a},V={v}"] = {
+            "alpha": a, "V": v, "losses": losses, "mean": float(np.mean(losses)),
+            "min": float(np.min(losses)), "max": float(np.max(losses)),
+            "change_pct": float(100 * (np.mean(losses) / ref - 1)),
+        }
+    # seed noise: the spread between seeds of the same point, over all points
+    spreads = [p["max"] - p["min"] for p in out.values() if len(p["losses"]) > 1]
+    ref_losses = [p["mean"] for p in out.values() if p["V"] == 0]
+    noise = 100 * float(np.max(spreads) / np.mean(ref_losses)) if spreads else float("nan")
+    return {"points": out, "max_seed_spread_pct": noise}
+
+
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = result["points"]
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for a in sorted({p["alpha"] for p in pts.values()}):
+        row = sorted((p for p in pts.values() if p["alpha"] == a), key=lambda p: p["V"])
+        ref = next(p["mean"] for p in row if p["V"] == 0)
+        vs = [p["V"] for p in row]
+        (line,) = ax.plot(vs, [p["change_pct"] for p in row], marker="o", label=f"α = {a:g}")
+        ax.fill_between(vs, [100 * (p["min"] / ref - 1) for p in row],
+                        [100 * (p["max"] / ref - 1) for p in row], color=line.get_color(), alpha=0.15)
+        for p in row:
+            ax.scatter([p["V"]] * len(p["losses"]), [100 * (x / ref - 1) for x in p["losses"]],
+                       s=10, color=line.get_color(), alpha=0.6)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xlabel("overlap V (steps between a fragment's sync and its apply)")
+    ax.set_ylabel("final held-out loss vs V=0 (%)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.sweep_overlap", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/overlap")
+    p.add_argument("--quick", action="store_true", help="4 short runs, to check the pipeline")
+    p.add_argument("--parallel", type=int, default=1)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    grid, base = grid_and_base(args.quick)
+    try:
+        rows = run_sweep(out, grid, base, args.parallel)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    result = analyse(rows)
+    steps = int(base[base.index("--steps") + 1])
+    tokens = rows[0]["tokens"] if rows else 0
+    title = (f"Streaming DiLoCo K=2, H=30, P=3, {steps} steps ({tokens:,} tokens), 2L×64 byte LM "
+             f"on the stdlib corpus; {len(grid['seed'])} seed(s) per point")
+    result.update(setting=title, revision=_revision())
+    (out / "overlap.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "overlap.png", title)
+    for name, pt in result["points"].items():
+        print(f"{name:>16}: {pt['mean']:.4f} ({pt['change_pct']:+.2f}% vs V=0; seeds {pt['losses']})")
+    print(f"largest seed spread: {result['max_seed_spread_pct']:.2f}% of the loss; wrote {out / 'overlap.png'}")
+    return 0
+
+
+def _revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
