@@ -80,16 +80,30 @@ def run_sweep(
     log=sys.stderr,
 ) -> list[dict[str, Any]]:
     """Run every grid point not yet finished (N at a time); returns the summary rows."""
+    jobs = [(point_name(p), [*base, *point_flags(p)]) for p in points(grid)]
+    failed = run_jobs(out, jobs, parallel, log)
+    rows = summarize(Path(out), grid)
+    if failed:
+        raise RuntimeError(f"{len(failed)} sweep point(s) failed: {', '.join(failed)}")
+    return rows
+
+
+def run_jobs(
+    out: str | os.PathLike, jobs: Sequence[tuple[str, Sequence[str]]], parallel: int = 1,
+    log=sys.stderr,
+) -> list[str]:
+    """Run `experiments.train` with each job's flags into OUT/<name>, skipping finished
+    runs and resuming started ones, N at a time; returns the names of failed jobs."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     todo = []
-    for point in points(grid):
-        run_dir = out / point_name(point)
+    for name, flags in jobs:
+        run_dir = out / name
         state = status(run_dir)
         if state == "finished":
-            print(f"skip {run_dir.name}: finished", file=log)
+            print(f"skip {name}: finished", file=log)
             continue
-        argv = [*base, *point_flags(point), "--out", str(run_dir), "--no-progress"]
+        argv = [*flags, "--out", str(run_dir), "--no-progress"]
         if state == "started":
             argv.append("--resume")
         todo.append((run_dir, argv))
@@ -99,7 +113,6 @@ def run_sweep(
         while todo and len(running) < parallel:
             run_dir, argv = todo.pop(0)
             print(f"run  {run_dir.name}", file=log, flush=True)
-            run_dir.mkdir(parents=True, exist_ok=True)
             proc = subprocess.Popen([sys.executable, "-m", "experiments.train", *argv], cwd=ROOT,
                                     stdout=subprocess.DEVNULL,
                                     stderr=open(out / f"{run_dir.name}.log", "w"))
@@ -109,17 +122,13 @@ def run_sweep(
             run_dir, proc, t0 = item
             if proc.poll() is not None:
                 running.remove(item)
-                took = time.perf_counter() - t0
                 if proc.returncode:
                     failed.append(run_dir.name)
                     print(f"FAIL {run_dir.name} (exit {proc.returncode}, see {run_dir.name}.log)",
                           file=log, flush=True)
                 else:
-                    print(f"done {run_dir.name} in {took:.0f} s", file=log, flush=True)
-    rows = summarize(out, grid)
-    if failed:
-        raise RuntimeError(f"{len(failed)} sweep point(s) failed: {', '.join(failed)}")
-    return rows
+                    print(f"done {run_dir.name} in {time.perf_counter() - t0:.0f} s", file=log, flush=True)
+    return failed
 
 
 def summarize(out: Path, grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
