@@ -1,0 +1,36 @@
+"""Each experiment script end to end in its --quick mode (slow: about 5 minutes together)."""
+
+import json
+
+import pytest
+
+from experiments import custom_fragment_order, reproduce_streaming, sweep_overlap
+
+pytestmark = pytest.mark.slow
+
+
+def test_sweep_overlap_quick(tmp_path):
+    assert sweep_overlap.main(["--out", str(tmp_path), "--quick", "--parallel", "2"]) == 0
+    result = json.loads((tmp_path / "overlap.json").read_text())
+    assert set(result["points"]) == {"alpha=0.0,V=0", "alpha=0.0,V=5", "alpha=1.0,V=0", "alpha=1.0,V=5"}
+    # with α = 1 the islands never take the outer model, so V cannot change the outer model
+    assert result["points"]["alpha=1.0,V=5"]["mean"] == result["points"]["alpha=1.0,V=0"]["mean"]
+    assert (tmp_path / "overlap.png").stat().st_size > 10_000
+
+
+def test_reproduce_streaming_quick(tmp_path):
+    assert reproduce_streaming.main(["--out", str(tmp_path), "--quick", "--parallel", "2"]) == 0
+    runs = json.loads((tmp_path / "reproduce.json").read_text())["runs"]
+    assert set(runs) == {name for name, _ in reproduce_streaming.jobs(True)}
+    assert runs["ddp"]["vs_ddp_pct"] == 0.0 and "final_island_0" in runs["streaming"]
+    assert runs["ddp"]["bytes_per_island"] > 10 * runs["diloco"]["bytes_per_island"]
+    assert (tmp_path / "reproduce.png").stat().st_size > 10_000
+
+
+def test_custom_fragment_order_quick(tmp_path, capsys):
+    assert custom_fragment_order.main(["--out", str(tmp_path), "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "broken order refused by the core: fragment_order 'broken' must cover every layer" in out
+    result = json.loads((tmp_path / "orders.json").read_text())
+    assert set(result["eval_loss"]) == {"interleaved", "sequential", "reverse_depth", "mirrored", "random_fixed"}
+    assert result["groups"]["mirrored"] == [[0, 5], [1, 4], [2, 3]]

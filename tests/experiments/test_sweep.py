@@ -1,0 +1,57 @@
+"""The sweep runner: grid parsing, flags, and resuming a half-finished sweep."""
+
+import io
+import json
+import os
+
+import pytest
+
+from experiments import sweep
+
+TINY = ["--corpus", "markov", "num_bytes=200000", "doc_bytes=20000", "--layers", "2", "--width", "32",
+        "--heads", "2", "--seq-len", "32", "--global-batch", "4", "--steps", "8", "--sync-period", "4",
+        "--eval-every", "8", "--checkpoint-every", "4", "--eval-batches", "2"]
+
+
+def test_grid_points_and_flags():
+    grid = sweep.parse_grid(["overlap-steps=0,1", "alpha=0,0.5", "streaming=true", "seed=3"])
+    assert grid == {"overlap_steps": ["0", "1"], "alpha": ["0", "0.5"], "streaming": ["true"], "seed": ["3"]}
+    pts = sweep.points(grid)
+    assert len(pts) == 4 and pts[1] == {"overlap_steps": "0", "alpha": "0.5", "streaming": "true", "seed": "3"}
+    assert sweep.point_name(pts[1]) == "overlap_steps=0,alpha=0.5,streaming=true,seed=3"
+    assert sweep.point_flags(pts[1]) == ["--overlap-steps", "0", "--alpha", "0.5", "--streaming", "--seed", "3"]
+    assert sweep.point_flags({"streaming": False}) == ["--no-streaming"]
+    with pytest.raises(ValueError, match="--grid items are name=v1,v2"):
+        sweep.parse_grid(["alpha"])
+
+
+def test_half_finished_sweep_resumes_without_redoing(tmp_path):
+    grid = {"seed": [0, 1, 2]}
+    out = tmp_path / "sweep"
+    sweep.run_sweep(out, {"seed": [0]}, TINY)  # one point done before the "crash"
+    done = out / "seed=0" / "run.json"
+    stamp = done.stat().st_mtime_ns
+    # seed=1 was interrupted after its step-4 checkpoint: its run.json still says "running"
+    sweep.run_sweep(out, {"seed": [1]}, TINY)
+    meta1 = out / "seed=1" / "run.json"
+    meta1.write_text(json.dumps({**json.loads(meta1.read_text()), "status": "running"}))
+    log = io.StringIO()
+    rows = sweep.run_sweep(out, grid, TINY, parallel=2, log=log)
+    text = log.getvalue()
+    assert "skip seed=0: finished" in text and "run  seed=0" not in text
+    assert "run  seed=1" in text and "run  seed=2" in text
+    assert done.stat().st_mtime_ns == stamp  # the finished point was not touched
+    assert [r["seed"] for r in rows] == [0, 1, 2]
+    assert all(r["eval_loss"] > 0 for r in rows)
+    lines = (out / "summary.csv").read_text().splitlines()
+    assert lines[0].startswith("seed,eval_loss") and len(lines) == 4
+    assert [json.loads(x)["run"] for x in (out / "summary.jsonl").read_text().splitlines()] == \
+        ["seed=0", "seed=1", "seed=2"]
+    # different seeds train on different batches
+    assert len({r["final_train_loss"] for r in rows}) == 3
+
+
+def test_failed_point_is_reported(tmp_path, capsys):
+    assert sweep.main(["--out", str(tmp_path / "s"), "--grid", "compression=int4", "--", *TINY]) == 1
+    assert "1 sweep point(s) failed: compression=int4" in capsys.readouterr().err
+    assert "compression must be one of" in (tmp_path / "s" / "compression=int4.log").read_text()
