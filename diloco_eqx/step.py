@@ -189,6 +189,15 @@ def make_train_step(
                 per_island = {"compression_error": islands.island_local(zeros, mesh)}
             return outer, outer_opt, residual, sync_metrics, per_island
 
+        def at_sync(t, make_branch, otherwise, *operands):
+            """`make_branch(f)(*operands)` for the fragment synced at t, else `otherwise`."""
+            return lax.cond(
+                schedule.is_sync_traced(t),
+                lambda *ops: switch(schedule.fragment_at_traced(t), make_branch, *ops),
+                otherwise,
+                *operands,
+            )
+
         def direct_sync(t, inner, outer, outer_opt, residual):
             """Sync at t inside step t: pseudo-gradients, exchange, outer step."""
 
@@ -200,12 +209,8 @@ def make_train_step(
 
                 return sync
 
-            return lax.cond(
-                schedule.is_sync_traced(t),
-                lambda *ops: switch(schedule.fragment_at_traced(t), branch, *ops),
-                lambda inner, *rest: no_exchange(*rest),
-                inner, outer, outer_opt, residual,
-            )
+            skip = lambda inner, *rest: no_exchange(*rest)  # noqa: E731
+            return at_sync(t, branch, skip, inner, outer, outer_opt, residual)
 
         def deferred_exchange(t_sync, pending, outer, outer_opt, residual):
             """Exchange and outer step for the sync stashed at t_sync (the previous step);
@@ -219,12 +224,8 @@ def make_train_step(
 
                 return sync
 
-            return lax.cond(
-                schedule.is_sync_traced(t_sync),
-                lambda *ops: switch(schedule.fragment_at_traced(t_sync), branch, *ops),
-                lambda pending, *rest: no_exchange(*rest),
-                pending, outer, outer_opt, residual,
-            )
+            skip = lambda pending, *rest: no_exchange(*rest)  # noqa: E731
+            return at_sync(t_sync, branch, skip, pending, outer, outer_opt, residual)
 
         def stash(t, inner, outer, pending):
             """At a sync step: keep each island's pseudo-gradient for the next step."""
@@ -236,12 +237,7 @@ def make_train_step(
 
                 return keep
 
-            return lax.cond(
-                schedule.is_sync_traced(t),
-                lambda *ops: switch(schedule.fragment_at_traced(t), branch, *ops),
-                lambda inner, outer, pending: pending,
-                inner, outer, pending,
-            )
+            return at_sync(t, branch, lambda inner, outer, pending: pending, inner, outer, pending)
 
         def apply(t, inner, outer):
             def branch(f):

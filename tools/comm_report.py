@@ -46,23 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def measure(args: argparse.Namespace) -> dict:
-    """Compile the steps and read their collectives; returns the report as a dict."""
+def use_host_devices(args: argparse.Namespace) -> int:
+    """Ask XLA for D = --devices (default K) CPU devices, before jax starts; returns D."""
+    d = args.devices or args.num_replicas
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={d}".strip()
+    return d
+
+
+def config_from(args: argparse.Namespace):
+    """The DiLoCoConfig the flags describe (ValueError naming the knob otherwise)."""
     import jax
 
+    import diloco_eqx as dl
+
+    d = args.devices or args.num_replicas
+    if len(jax.devices()) < d:
+        raise ValueError(f"--devices {d}: only {len(jax.devices())} devices are visible")
+    return dl.DiLoCoConfig(
+        num_replicas=args.num_replicas, sync_period=args.sync_period, streaming=args.streaming,
+        num_fragments=args.num_fragments, fragment_order=args.fragment_order,
+        overlap_steps=args.overlap_steps, alpha=args.alpha, compression=args.compression,
+        error_feedback=args.error_feedback,
+    )
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Compile the steps and read their collectives; returns the report as a dict."""
     import diloco_eqx as dl
     from diloco_eqx import comms, compression
 
     k = args.num_replicas
     d = args.devices or k
-    if len(jax.devices()) < d:
-        raise ValueError(f"--devices {d}: only {len(jax.devices())} devices are visible")
-    cfg = dl.DiLoCoConfig(
-        num_replicas=k, sync_period=args.sync_period, streaming=args.streaming,
-        num_fragments=args.num_fragments, fragment_order=args.fragment_order,
-        overlap_steps=args.overlap_steps, alpha=args.alpha, compression=args.compression,
-        error_feedback=args.error_feedback,
-    )
+    cfg = config_from(args)
     shape = (args.layers, args.width, args.heads, args.seq_len, args.global_batch or 2 * k, d)
     hlo = _step_hlo(cfg, *shape)
     schedule = dl.Schedule.from_config(cfg)
@@ -200,10 +217,7 @@ def format_report(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    d = args.devices or args.num_replicas
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={d}".strip()
+    use_host_devices(args)
     try:
         report = measure(args)
     except ValueError as e:

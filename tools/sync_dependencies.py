@@ -13,10 +13,10 @@ then whether any inner-step equation depends on a collective. See diloco_eqx/cri
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from tools.comm_report import build_parser as comm_parser
+from tools.comm_report import use_host_devices
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,25 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    d = args.devices or args.num_replicas
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={d}".strip()
+    d = use_host_devices(args)
     import numpy as np
     import optax
 
     import diloco_eqx as dl
     from diloco_eqx import critical_path
     from models.transformer import loss_fn
-    from tools.comm_report import _model
+    from tools.comm_report import _model, config_from
 
     try:
-        cfg = dl.DiLoCoConfig(
-            num_replicas=args.num_replicas, sync_period=args.sync_period, streaming=args.streaming,
-            num_fragments=args.num_fragments, fragment_order=args.fragment_order,
-            overlap_steps=args.overlap_steps, alpha=args.alpha, compression=args.compression,
-            error_feedback=args.error_feedback,
-        )
+        cfg = config_from(args)
         mesh = dl.make_mesh(d)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
