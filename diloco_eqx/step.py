@@ -2,9 +2,14 @@
 
 Inside the step, in order: one inner step on every island; t += 1; the sync stage
 (`lax.cond` on the schedule, `lax.switch` over fragments): pseudo-gradients of fragment
-f(t), their mean over islands, one Nesterov step on the outer fragment; the apply stage
-(same shape): blend the outer fragment f(t−V) into every island. Schedule positions are
-branches, not Python control flow, so the step compiles once.
+f(t), their mean over the contributing islands (exchange.py), one Nesterov step on the
+outer fragment; the apply stage (same shape): blend the outer fragment f(t−V) into every
+island. Schedule positions are branches, not Python control flow, so the step compiles once.
+
+With V >= 1 the exchange is deferred: the sync stage of step t only stashes the islands'
+pseudo-gradients, and step t+1 begins with the exchange and outer step on that stash, which
+nothing in its inner step depends on (critical_path.py shows it), so the collective can run
+while the inner step computes. The apply at t+V sees the same outer values either way.
 """
 
 from __future__ import annotations
