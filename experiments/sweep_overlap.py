@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     result = analyse(rows)
     steps = int(base[base.index("--steps") + 1])
     tokens = rows[0]["tokens"] if rows else 0
-    title = (f"Streaming DiLoCo K=2, H=30, P=3, {steps} steps ({tokens:,} tokens), 2L×64 byte LM "
-             f"on the stdlib corpus; {len(grid['seed'])} seed(s) per point")
+    title = (f"Streaming DiLoCo K=2, H=30, P=3, {steps} steps ({tokens:,} tokens),\n2L×64 byte LM "
+             f"on the stdlib corpus; {len(grid['seed'])} seed(s) per point (dots), band = seed range")
     result.update(setting=title, revision=_revision())
     (out / "overlap.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "overlap.png", title)
