@@ -410,13 +410,13 @@ def run(settings: Settings) -> dict[str, Any]:
 
 
 class _Discard:
-    """Stands in for the metrics writer on processes other than 0."""
+    """Stands in for the metrics writer on processes other than 0: process 0 writes every row."""
 
     def write(self, row) -> None:
-        pass
+        """Drop the row (process 0 has the same one)."""
 
     def close(self) -> None:
-        pass
+        """Nothing to flush."""
 
 
 class _GlobalBatches:
