@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, Bool, Int, PyTree
 
 from diloco_eqx import compression, islands
 from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.outer import tree_norm
 
 
 def contributes(
@@ -57,41 +58,36 @@ def mean_pseudo_gradient(
     and keep their residual.
     """
     fmt = cfg.compression
-
-    def masked(x):  # zero out islands that do not contribute (NaN * 0 would stay NaN)
-        return jnp.where(ok.reshape(-1, *[1] * (x.ndim - 1)), x, 0.0)
-
     if fmt == "none":
-        total = islands.sum_over_islands(jax.tree.map(masked, deltas), mesh)
+        total = islands.sum_over_islands(jax.tree.map(lambda x: _per_island(ok, x, 0.0), deltas), mesh)
         count = islands.sum_over_islands(ok.astype(jnp.int32), mesh)
         return _divide(total, count), count, residual, {}
 
     sent = deltas if residual is None else jax.tree.map(jnp.add, deltas, residual)
-    sent = jax.tree.map(masked, sent)
+    sent = jax.tree.map(lambda x: _per_island(ok, x, 0.0), sent)
     payload = jax.vmap(lambda d: compression.tree_encode(d, fmt, check=False))(sent)
-    seen = jax.vmap(lambda p: compression.tree_decode(p, fmt, like))(payload)
-    err = jax.tree.map(jnp.subtract, sent, seen)
-    if residual is not None:
-        keep = lambda e, r: jnp.where(ok.reshape(-1, *[1] * (e.ndim - 1)), e, r)  # noqa: E731
-        residual = jax.tree.map(keep, err, residual)
-    rel_err = jax.vmap(lambda e, s: _norm(e) / _norm(s))(err, sent)
     every_ok = islands.gather_islands(ok, mesh)
     decoded = jax.vmap(lambda p: compression.tree_decode(p, fmt, like))(
         islands.gather_islands(payload, mesh)
     )
-    mask = lambda x: jnp.where(every_ok.reshape(-1, *[1] * (x.ndim - 1)), x, 0.0)  # noqa: E731
-    total = jax.tree.map(lambda x: jnp.sum(mask(x), axis=0), decoded)
+    # what the others received from this slice's islands: their rows of the decoded set
+    ids = islands.island_ids(cfg.num_replicas, mesh)
+    err = jax.tree.map(lambda s, d: s - d[ids], sent, decoded)
+    if residual is not None:
+        residual = jax.tree.map(lambda e, r: _per_island(ok, e, r), err, residual)
+    rel_err = jax.vmap(lambda e, s: tree_norm(e) / tree_norm(s))(err, sent)
+    total = jax.tree.map(lambda x: jnp.sum(_per_island(every_ok, x, 0.0), axis=0), decoded)
     count = jnp.sum(every_ok.astype(jnp.int32))
     return _divide(total, count), count, residual, {"compression_error": jnp.nan_to_num(rel_err)}
 
 
+def _per_island(mask: Bool[Array, " k"], x: Array, other) -> Array:
+    """x where its island's mask entry holds, else `other` (NaN·0 would stay NaN)."""
+    return jnp.where(mask.reshape(-1, *[1] * (x.ndim - 1)), x, other)
+
+
 def _divide(total: PyTree, count: Int[Array, ""]) -> PyTree:
     return jax.tree.map(lambda x: x / jnp.maximum(count, 1).astype(x.dtype), total)
-
-
-def _norm(tree: PyTree) -> Float[Array, ""]:
-    leaves = jax.tree.leaves(tree)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves)) if leaves else jnp.zeros(())
 
 
 def keep_if(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:

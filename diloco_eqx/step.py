@@ -48,7 +48,7 @@ class StepMetrics(Mapping):
     deferred exchange the sync diagnostics arrive one step later, with "exchanged_fragment".
     """
 
-    SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm", "islands_contributed")
+    SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm")
     ISLAND_SYNC_KEYS = ("compression_error",)
     """Per-island sync metrics, reported as their mean over islands."""
 
@@ -72,7 +72,8 @@ class StepMetrics(Mapping):
             host.update({f"loss_island_{i}": float(x) for i, x in enumerate(losses)})
             host.update(
                 {k: float(v) for k, v in m.items()
-                 if k not in ("step", "loss_island", *self.SYNC_KEYS, *self.ISLAND_SYNC_KEYS)}
+                 if k not in ("step", "loss_island", "islands_contributed", *self.SYNC_KEYS,
+                              *self.ISLAND_SYNC_KEYS)}
             )
             if self._schedule is not None:
                 synced = self._schedule.sync_fragment(t)

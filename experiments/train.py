@@ -257,11 +257,11 @@ def run(settings: Settings) -> dict[str, Any]:
         raise ValueError(f"--devices {s.devices}: only {len(jax.local_devices())} devices are "
                          "visible; jax was started before XLA_FLAGS could ask for more")
     if distributed:  # every process's devices, process by process: island k lives on process k·N/K
-        devices = sorted(jax.devices(), key=lambda dev: (dev.process_index, dev.id))
         per_process = s.devices or len(jax.local_devices())
-        devices = [dev for dev in devices
-                   if [x for x in devices if x.process_index == dev.process_index].index(dev) < per_process]
-        mesh = dl.make_mesh(devices=devices)
+        mesh = dl.make_mesh(devices=[
+            dev for p in range(jax.process_count())
+            for dev in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:per_process]
+        ])
     else:
         mesh = dl.make_mesh(s.devices) if s.devices else None
     corpus = load_corpus(s.corpus, data)

@@ -8,8 +8,8 @@ import pytest
 
 import diloco_eqx as dl
 from diloco_eqx import compression as C
-from tests.reference import NpSGD, make_toy, np_quantize, np_run, toy_loss, toy_to_numpy
-from tests.test_step import N_LAYERS, WIDTH, batches, run_jax
+from tests.reference import NpSGD, make_toy, np_quantize, toy_loss, toy_to_numpy
+from tests.test_step import N_LAYERS, WIDTH, batches, reference_run, run_jax
 
 FORMATS = ["bf16", "fp8", "fp4"]
 
@@ -82,13 +82,7 @@ def test_payload_bytes(n):
 
 
 def _reference(cfg, data, inner_np):
-    return np_run(
-        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
-        inner=inner_np, streaming=cfg.streaming, p=cfg.num_fragments, order=cfg.fragment_order,
-        v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
-        momentum=cfg.outer_momentum, compression=cfg.compression,
-        error_feedback=cfg.error_feedback,
-    )
+    return reference_run(cfg, data, inner_np)
 
 
 CASES = [

@@ -7,17 +7,12 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from tests.reference import NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
-from tests.test_step import N_LAYERS, WIDTH, batches, run_jax
+from tests.reference import NpSGD, make_toy, toy_loss, toy_to_numpy
+from tests.test_step import N_LAYERS, WIDTH, batches, reference_run
 
 
 def reference(cfg, data, dropped, log=None):
-    return np_run(
-        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
-        inner=NpSGD(0.05), streaming=cfg.streaming, p=cfg.num_fragments,
-        order=cfg.fragment_order, v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
-        momentum=cfg.outer_momentum, compression=cfg.compression, dropped=dropped, log=log,
-    )
+    return reference_run(cfg, data, NpSGD(0.05), dropped=dropped, log=log)
 
 
 def coin_drops(cfg):

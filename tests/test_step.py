@@ -33,23 +33,21 @@ def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None):
     return np.array(losses), eqx.tree_at(lambda s: s.outer_model, state, step.outer_model(state))
 
 
+def reference_run(cfg, data, inner_np, **extra):
+    """np_run with the config's knobs, from the same initial toy model as run_jax."""
+    return np_run(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
+        inner=inner_np, streaming=cfg.streaming, p=cfg.num_fragments, order=cfg.fragment_order,
+        v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum, compression=cfg.compression,
+        error_feedback=cfg.error_feedback, **extra,
+    )
+
+
 def assert_matches_reference(cfg, inner_jax, inner_np, steps):
     data = batches(steps)
     losses, state = run_jax(cfg, inner_jax, data)
-    ref_losses, ref_outer, ref_islands = np_run(
-        toy_to_numpy(make_toy(N_LAYERS, WIDTH)),
-        data,
-        k=cfg.num_replicas,
-        h=cfg.sync_period,
-        inner=inner_np,
-        streaming=cfg.streaming,
-        p=cfg.num_fragments,
-        order=cfg.fragment_order,
-        v=cfg.overlap_steps,
-        alpha=cfg.alpha,
-        outer_lr=cfg.outer_lr,
-        momentum=cfg.outer_momentum,
-    )
+    ref_losses, ref_outer, ref_islands = reference_run(cfg, data, inner_np)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
     outer = toy_to_numpy(state.outer_model)
     for name in outer:

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def methods(args) -> list[tuple[str, "Method"]]:
+def methods(args) -> list[tuple[str, object]]:
     from diloco_eqx.simulator import Method
 
     n_layers = len(args.layer_params) if args.layer_params else args.layers
