@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -12,7 +13,9 @@ from diloco_eqx.compression import check_format
 from diloco_eqx.orders import Order, resolve_order
 from diloco_eqx.schedule import Schedule
 
-# The other framework's knob names, so a run configured there can be replayed here.
+OUTER_DTYPES = ("float32", "param")
+
+# MaxText's knob names, so a run configured there can be replayed here.
 MAXTEXT_NAMES = {
     "num_diloco_replicas": "num_replicas",
     "diloco_sync_period": "sync_period",
@@ -23,11 +26,24 @@ MAXTEXT_NAMES = {
     "diloco_outer_lr": "outer_lr",
     "diloco_outer_momentum": "outer_momentum",
 }
-
+MAXTEXT_DEFAULTS = {
+    "diloco_sync_period": 36,
+    "diloco_outer_lr": 0.3,
+    "diloco_outer_momentum": 0.9,
+    "enable_streaming_diloco": False,
+    "num_diloco_fragments": None,
+    "use_sequential_layers": False,
+    "num_communication_overlapping_steps": 0,
+    "communication_overlapping_alpha": 0.0,
+    "ici_diloco_parallelism": 1,
+    "dcn_diloco_parallelism": 1,
+}
+"""MaxText's own defaults (its base config) for the keys a DiLoCo run reads."""
+MAXTEXT_READ = {*MAXTEXT_NAMES, *MAXTEXT_DEFAULTS, "enable_diloco", "num_slices"}
 
 @dataclasses.dataclass(frozen=True)
 class DiLoCoConfig:
-    """The knobs of SPEC.md. Invalid values raise ValueError naming the knob."""
+    """The knobs of ALGORITHM.md. Invalid values raise ValueError naming the knob."""
 
     num_replicas: int = 2
     """K: islands training independently."""
@@ -57,6 +73,9 @@ class DiLoCoConfig:
     """Chance that an island misses a sync: one value for every island, or one per island."""
     fault_seed: int = 0
     """Seed of the drop_prob coin (a function of the seed and t, so resumes repeat it)."""
+    outer_dtype: str = "float32"
+    """Storage of the outer model and outer optimizer state: "float32" (at least float32,
+    whatever the inner dtype) or "param" (each parameter's own dtype)."""
 
     def __post_init__(self):
         check_int("num_replicas (K)", self.num_replicas, low=1)
@@ -69,6 +88,8 @@ class DiLoCoConfig:
         check_number("outer_momentum (β)", self.outer_momentum, "[0, 1)", lambda a: 0.0 <= a < 1.0)
         resolve_order(self.fragment_order)
         check_format(self.compression)
+        if self.outer_dtype not in OUTER_DTYPES:
+            raise ValueError(f"outer_dtype must be one of {OUTER_DTYPES}; got {self.outer_dtype!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False; got {self.error_feedback!r}")
         if self.error_feedback and self.compression == "none":
@@ -135,18 +156,58 @@ class DiLoCoConfig:
 
     @classmethod
     def from_maxtext(cls, cfg: Mapping[str, Any]) -> DiLoCoConfig:
-        """Build from a dict using MaxText's names (or ours); other keys are ignored.
-
-        MaxText's `use_sequential_layers` maps to fragment_order "sequential"/"interleaved".
+        """Replay a MaxText DiLoCo run: its key names (ours are accepted too) and, for
+        missing keys, MaxText's defaults. K is derived as MaxText derives it,
+        `ici_diloco_parallelism × dcn_diloco_parallelism`, with `dcn_diloco_parallelism=-1`
+        meaning the slices left over by the other DCN axes (`num_slices` / their product).
+        DiLoCo-related keys this framework does not model are ignored with a warning.
         """
-        kwargs: dict[str, Any] = {}
         ours = {f.name for f in dataclasses.fields(cls)}
-        for key, value in cfg.items():
-            if key in MAXTEXT_NAMES:
-                kwargs[MAXTEXT_NAMES[key]] = value
-            elif key == "use_sequential_layers":
-                kwargs["fragment_order"] = "sequential" if value else "interleaved"
-            elif key in ours:
-                kwargs[key] = value
+        mt = {**MAXTEXT_DEFAULTS, **{k: v for k, v in cfg.items() if k not in ours}}
+        unknown = sorted(k for k in cfg if k not in MAXTEXT_READ and k not in ours
+                         and ("diloco" in k.lower() or "overlapping" in k.lower()))
+        if unknown:
+            warnings.warn(f"from_maxtext: ignoring DiLoCo-related keys this framework does not "
+                          f"model: {', '.join(unknown)}", stacklevel=2)
+        if mt.get("enable_diloco") is False:
+            if mt["enable_streaming_diloco"]:
+                raise ValueError("from_maxtext: enable_streaming_diloco=True needs enable_diloco=True")
+            warnings.warn("from_maxtext: enable_diloco=False, so MaxText would train without "
+                          "DiLoCo; building the DiLoCo config of the other keys", stacklevel=2)
+        if mt["enable_streaming_diloco"] and mt["num_diloco_fragments"] is None:
+            raise ValueError("from_maxtext: enable_streaming_diloco=True needs num_diloco_fragments "
+                             "(MaxText has no default for it)")
+        kwargs: dict[str, Any] = {ours_name: mt[name] for name, ours_name in MAXTEXT_NAMES.items()
+                                  if name in mt and mt[name] is not None}
+        kwargs["num_replicas"] = _maxtext_replicas(
+            mt, any(k in cfg for k in ("ici_diloco_parallelism", "dcn_diloco_parallelism")))
+        kwargs["fragment_order"] = "sequential" if mt["use_sequential_layers"] else "interleaved"
+        kwargs.update({k: v for k, v in cfg.items() if k in ours})
         return cls(**kwargs)
 
+
+def _maxtext_replicas(mt: Mapping[str, Any], parallelism_given: bool) -> int:
+    """K = ici_diloco_parallelism × dcn_diloco_parallelism, as MaxText derives it (a given
+    num_diloco_replicas must agree)."""
+    ici, dcn = mt["ici_diloco_parallelism"], mt["dcn_diloco_parallelism"]
+    if dcn == -1:
+        others = [v for k, v in mt.items() if k.startswith("dcn_") and k.endswith("_parallelism")
+                  and k != "dcn_diloco_parallelism" and v != -1]
+        product = math.prod(others)
+        slices = mt.get("num_slices", -1)
+        if not isinstance(slices, int) or slices < 1:
+            raise ValueError("from_maxtext: dcn_diloco_parallelism=-1 takes its size from "
+                             f"num_slices, which must be given (an integer >= 1); got {slices!r}")
+        if product < 1 or slices % product:
+            raise ValueError(f"from_maxtext: num_slices={slices} must be divisible by the product "
+                             f"of the other DCN parallelisms ({product}) to resolve "
+                             "dcn_diloco_parallelism=-1")
+        dcn = slices // product
+    derived = ici * dcn
+    given = mt.get("num_diloco_replicas")
+    if given is None:
+        return derived
+    if parallelism_given and given != derived:
+        raise ValueError(f"from_maxtext: num_diloco_replicas={given} disagrees with "
+                         f"ici_diloco_parallelism × dcn_diloco_parallelism = {ici} × {dcn} = {derived}")
+    return given

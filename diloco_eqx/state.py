@@ -15,7 +15,7 @@ from jaxtyping import Array, Int, PyTree
 from diloco_eqx import islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
-from diloco_eqx.outer import outer_optimizer
+from diloco_eqx.outer import outer_optimizer, to_outer_dtype, wide
 
 
 class DiLoCoState(eqx.Module):
@@ -57,8 +57,10 @@ def init_state(
 ) -> DiLoCoState:
     """Every island starts from `model`; the outer model is `model`; the trace is zero.
 
-    The state owns copies of `model`'s arrays, so donating it to the step leaves `model` intact.
-    `layers` points at the stacked layer module (checked against the fragment knobs here).
+    Islands keep `model`'s dtypes; the outer model and its optimizer state are stored in
+    float32 (`cfg.outer_dtype="param"`: in the parameters' own dtypes). The state owns copies
+    of `model`'s arrays, so donating it to the step leaves `model` intact. `layers` points at
+    the stacked layer module (streaming only; checked against the fragment knobs here).
     """
     islands.check_divides(cfg.num_replicas, mesh)
     Fragmentation.from_model(model, cfg, layers)
@@ -73,21 +75,20 @@ def init_state(
     model = owned_copy(model)
     inner_model = per_island(model)
     inner_opt_state = per_island(inner_optimizer.init(params))
-    outer_opt_state = outer_optimizer(cfg).init(params)
+    outer_model = to_outer_dtype(model, cfg.outer_dtype)
+    outer_opt_state = outer_optimizer(cfg).init(eqx.filter(outer_model, eqx.is_inexact_array))
+    # pseudo-gradients (stashed, or their carried quantization error) are at least float32
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params)
     residual = None
     if carries_residual(cfg):
-        residual = islands.place(
-            per_island(jax.tree.map(jnp.zeros_like, params)), mesh, islands.ISLANDS
-        )
+        residual = islands.place(per_island(zeros), mesh, islands.ISLANDS)
     pending = None
     if cfg.streaming and cfg.overlap_steps >= 1:
-        pending = islands.place(
-            per_island(jax.tree.map(jnp.zeros_like, params)), mesh, islands.ISLANDS
-        )
+        pending = islands.place(per_island(zeros), mesh, islands.ISLANDS)
     return DiLoCoState(
         inner_model=islands.place(inner_model, mesh, islands.ISLANDS),
         inner_opt_state=islands.place(inner_opt_state, mesh, islands.ISLANDS),
-        outer_model=islands.place(model, mesh, islands.REPLICATED),
+        outer_model=islands.place(outer_model, mesh, islands.REPLICATED),
         outer_opt_state=islands.place(outer_opt_state, mesh, islands.REPLICATED),
         step=islands.place(jnp.zeros((), jnp.int32), mesh, islands.REPLICATED),
         residual=residual,

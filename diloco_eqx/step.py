@@ -29,7 +29,15 @@ from jaxtyping import Array, Float, PyTree
 from diloco_eqx import exchange, islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
-from diloco_eqx.outer import blend, outer_optimizer, outer_step, pseudo_gradient, tree_norm
+from diloco_eqx.outer import (
+    all_finite,
+    blend,
+    cast_like,
+    outer_optimizer,
+    outer_step,
+    pseudo_gradient,
+    tree_norm,
+)
 from diloco_eqx.schedule import Schedule
 from diloco_eqx.state import DiLoCoState
 
@@ -46,6 +54,8 @@ class StepMetrics(Mapping):
     in the mean: not dropped, finite) and, with compression, "compression_error"
     (‖decoded − sent‖/‖sent‖, mean over islands); on apply steps "apply_fragment". With the
     deferred exchange the sync diagnostics arrive one step later, with "exchanged_fragment".
+    On apply steps also "islands_reset": islands whose applied fragment was not finite and
+    that were reset to the outer model with fresh inner optimizer state.
     """
 
     SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm")
@@ -72,8 +82,8 @@ class StepMetrics(Mapping):
             host.update({f"loss_island_{i}": float(x) for i, x in enumerate(losses)})
             host.update(
                 {k: float(v) for k, v in m.items()
-                 if k not in ("step", "loss_island", "islands_contributed", *self.SYNC_KEYS,
-                              *self.ISLAND_SYNC_KEYS)}
+                 if k not in ("step", "loss_island", "islands_contributed", "reset_island",
+                              *self.SYNC_KEYS, *self.ISLAND_SYNC_KEYS)}
             )
             if self._schedule is not None:
                 synced = self._schedule.sync_fragment(t)
@@ -91,6 +101,7 @@ class StepMetrics(Mapping):
                 applied = self._schedule.apply_fragment(t)
                 if applied is not None:
                     host["apply_fragment"] = applied
+                    host["islands_reset"] = int(np.sum(m["reset_island"]))
             self._host = host
         return self._host
 
@@ -245,22 +256,56 @@ def make_train_step(
 
             return at_sync(t, branch, lambda inner, outer, pending: pending, inner, outer, pending)
 
-        def apply(t, inner, outer):
+        def apply(t, inner, inner_opt, outer):
+            """Blend the outer fragment f(t−V) into every island; an island whose fragment
+            holds a NaN or Inf is reset instead (the whole outer model, and fresh inner
+            optimizer state for its non-finite leaves). Returns the islands reset."""
+
             def branch(f):
                 def apply_f(inner, outer):
-                    outer_f = islands.island_local(frags.take(params(outer), f), mesh)
-                    return jax.vmap(
+                    outer_f = frags.take(params(islands.island_local(outer, mesh)), f)
+                    bad = jax.vmap(lambda m: ~all_finite(frags.take(params(m), f)))(inner)
+                    inner = jax.vmap(
                         lambda m: frags.put(m, f, blend(frags.take(params(m), f), outer_f, alpha))
                     )(inner)
+                    return inner, bad
 
                 return apply_f
 
-            return lax.cond(
+            def no_apply(inner, outer):
+                return inner, islands.island_local(jnp.zeros((local_k,), bool), mesh)
+
+            inner, bad = lax.cond(
                 schedule.is_apply_traced(t),
                 lambda *ops: switch(schedule.fragment_at_traced(t - schedule.overlap_steps), branch, *ops),
-                lambda inner, outer: inner,
+                no_apply,
                 inner, outer,
             )
+            inner, inner_opt = lax.cond(
+                jnp.any(bad), reset_islands, lambda b, i, o, _: (i, o), bad, inner, inner_opt,
+                islands.island_local(outer, mesh),
+            )
+            return inner, inner_opt, bad
+
+        def reset_islands(bad, inner, inner_opt, outer):
+            """Islands flagged in `bad` take the outer model (in their own dtypes), and every
+            optimizer-state leaf of theirs that is not finite restarts from `init` on it
+            (finite leaves, such as step counts, are kept so schedules continue)."""
+            fresh = cast_like(params(outer), params(inner))
+            fresh_opt = inner_optimizer.init(fresh)
+
+            def pick(x, new, only_non_finite):
+                if not eqx.is_inexact_array(x):
+                    return x
+                drop = bad
+                if only_non_finite:
+                    drop = drop & ~jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
+                return jnp.where(drop.reshape(-1, *[1] * (x.ndim - 1)), new[None], x)
+
+            new_params = jax.tree.map(lambda x, n: pick(x, n, False), params(inner), fresh)
+            inner = eqx.combine(new_params, eqx.filter(inner, eqx.is_inexact_array, inverse=True))
+            inner_opt = jax.tree.map(lambda x, n: pick(x, n, True), inner_opt, fresh_opt)
+            return inner, inner_opt
 
         def body(inner, inner_opt, outer, outer_opt, step, island_batches, residual, pending):
             if deferred:
@@ -274,14 +319,20 @@ def make_train_step(
             if deferred:
                 with jax.named_scope("diloco_stash"):
                     pending = stash(t, inner, outer, pending)
-            else:
+            # With V >= 1 the apply never reads the fragment synced in the same step, and an
+            # island reset there takes the outer model without that sync (in the deferred
+            # form it is still in flight): both forms apply from the outer before this sync.
+            applied_from = outer
+            if not deferred:
                 with jax.named_scope("diloco_sync"):
                     outer, outer_opt, residual, sync_metrics, per_island = direct_sync(
                         t, inner, outer, outer_opt, residual
                     )
-            if alpha != 1.0:  # α = 1 keeps every local fragment: the apply is the identity
-                with jax.named_scope("diloco_apply"):
-                    inner = apply(t, inner, outer)
+                if schedule.overlap_steps == 0:
+                    applied_from = outer
+            with jax.named_scope("diloco_apply"):
+                inner, inner_opt, reset = apply(t, inner, inner_opt, applied_from)
+            per_island = {**per_island, "reset_island": reset}
             return inner, inner_opt, outer, outer_opt, t, residual, pending, losses, sync_metrics, per_island
 
         R, I = islands.REPLICATED, islands.ISLANDS

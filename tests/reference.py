@@ -1,8 +1,8 @@
-"""An independent NumPy reading of SPEC.md, and the small model both sides train.
+"""An independent NumPy reading of ALGORITHM.md, and the small model both sides train.
 
 Nothing here imports diloco_eqx: islands are a Python list of dicts of float64 arrays,
 gradients are written out by hand, and the schedule, fragments, Nesterov step and blend
-are re-derived from SPEC.md's formulas.
+are re-derived from ALGORITHM.md's formulas.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ class Toy(eqx.Module):
     calls: Int[Array, ""]  # not a parameter: must pass through DiLoCo untouched
 
 
-def make_toy(num_layers: int, width: int, seed: int = 0) -> Toy:
+def make_toy(num_layers: int, width: int, seed: int = 0, dtype=jnp.float32) -> Toy:
     rng = np.random.default_rng(seed)
-    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    f = lambda *s: jnp.asarray(rng.normal(size=s), dtype)  # noqa: E731
     return Toy(
         embed=f(width),
         layers=ToyLayer(w=f(num_layers, width), b=f(num_layers, width)),
@@ -47,8 +47,9 @@ def toy_loss(model: Toy, x: Float[Array, "B d"]) -> Float[Array, ""]:
     """Mean over rows of 0.5‖e−x‖² + 0.5‖h⊙e−1‖² + Σ_l 0.5‖w_l⊙x−(l+1)‖² + 0.5‖b_l−2x‖²."""
     n = model.layers.w.shape[0]
     c = jnp.arange(1, n + 1, dtype=jnp.float32)[:, None, None]
-    e, h = model.embed[None], model.head[None]
-    w, b = model.layers.w[:, None], model.layers.b[:, None]
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731 - any storage dtype computes in float32
+    e, h = f32(model.embed)[None], f32(model.head)[None]
+    w, b = f32(model.layers.w)[:, None], f32(model.layers.b)[:, None]
     per_row = (
         0.5 * jnp.sum((e - x) ** 2, -1)
         + 0.5 * jnp.sum((h * e - 1.0) ** 2, -1)
@@ -94,15 +95,32 @@ def np_loss_and_grad(p: dict, x: np.ndarray) -> tuple[float, dict]:
     return float(loss), grads
 
 
+def cast(x, dtype):
+    """A float64 copy of x rounded to `dtype` (None: not rounded)."""
+    if dtype is None:
+        return np.array(x, np.float64)
+    return np.asarray(x).astype(dtype).astype(np.float64)
+
+
 @dataclasses.dataclass
 class NpSGD:
+    """optax.sgd; with `dtype`, the rounding optax does on parameters stored in that dtype:
+    the gradient, −lr·g (lr cast to the dtype first) and p + u each rounded to it."""
+
     lr: float
+    dtype: object = None
 
     def init(self, p):
         return None
 
     def step(self, p, g, s):
-        return {k: p[k] - self.lr * g[k] for k in p}, s
+        d = self.dtype
+        if d is None:
+            return {k: p[k] - self.lr * g[k] for k in p}, s
+        return {k: cast(p[k] + cast(cast(-self.lr, d) * cast(g[k], d), d), d) for k in p}, s
+
+    def reset(self, s, p):
+        return s
 
 
 @dataclasses.dataclass
@@ -129,13 +147,34 @@ class NpAdamW:
             new[k] = p[k] - self.lr * (mh / (np.sqrt(vh) + self.eps) + self.weight_decay * p[k])
         return new, {"t": t, "m": m, "v": v}
 
+    def reset(self, s, p):
+        """A moment that holds a NaN or Inf starts again from zero; the step count stays."""
+        fix = lambda d: {k: v if np.all(np.isfinite(v)) else np.zeros_like(v) for k, v in d.items()}  # noqa: E731
+        return {"t": s["t"], "m": fix(s["m"]), "v": fix(s["v"])}
+
 
 def np_fragment_layers(order: str, n: int, p: int) -> list[list[int]]:
-    """Layer indices of fragments 1..P-1, straight from SPEC.md's definitions."""
+    """Layer indices of fragments 1..P-1, straight from the algorithm's definitions."""
     if order == "interleaved":
         return [[l for l in range(n) if l % (p - 1) == i - 1] for i in range(1, p)]
     m = n // (p - 1)
     return [[l for l in range(n) if l // m == i - 1] for i in range(1, p)]
+
+
+def np_fragments(model0: dict, streaming: bool, h: int, p: int, order: str):
+    """(Δh, H_eff, masks): masks(f) maps each leaf to the index of fragment f's entries in
+    it, or None where f owns none of it."""
+    if not streaming:
+        return h, h, lambda f: {n: slice(None) for n in model0}
+    dh = max(1, round(h / p))
+    groups = np_fragment_layers(order, model0["w"].shape[0], p)
+
+    def masks(f):
+        if f == 0:
+            return {n: (slice(None) if n in UNSTACKED else None) for n in model0}
+        return {n: (groups[f - 1] if n in STACKED else None) for n in model0}
+
+    return dh, p * dh, masks
 
 
 def np_run(
@@ -155,35 +194,28 @@ def np_run(
     compression: str = "none",
     error_feedback: bool = False,
     dropped=None,
+    dtype=None,
+    outer_dtype: str = "float32",
     log: dict | None = None,
 ):
-    """Run SPEC.md's algorithm; returns (per-step island losses, outer params, islands).
+    """Run the algorithm; returns (per-step island losses, outer params, islands).
 
     With `compression`, each island's pseudo-gradient of a leaf's fragment part goes through
     `np_quantize` (plus its carried residual with `error_feedback`) before the mean.
     `dropped(t, i)` says island i misses the sync at t; an island whose pseudo-gradient
-    holds a NaN or Inf misses it too. The mean is over the others; with none, no outer step."""
-    islands = [{n: a.copy() for n, a in model0.items()} for _ in range(k)]
+    holds a NaN or Inf misses it too. The mean is over the others; with none, no outer step.
+    At an apply, an island whose fragment holds a NaN or Inf is reset: it takes the whole
+    outer model and `inner.reset` its optimizer state.
+    `dtype` is the islands' storage dtype (None: float64 throughout); the outer model and
+    trace are then float32 (`outer_dtype="float32"`) or `dtype` ("param")."""
+    odt = None if dtype is None else (np.float32 if outer_dtype == "float32" else dtype)
+    islands = [{n: cast(a, dtype) for n, a in model0.items()} for _ in range(k)]
     residual = [{n: np.zeros_like(a) for n, a in model0.items()} for _ in range(k)]
     states = [inner.init(isl) for isl in islands]
-    outer = {n: a.copy() for n, a in model0.items()}
+    outer = {n: cast(a, odt) for n, a in model0.items()}
     trace = {n: np.zeros_like(a) for n, a in model0.items()}
-    if streaming:
-        dh = max(1, round(h / p))
-        heff = p * dh
-        groups = np_fragment_layers(order, model0["w"].shape[0], p)
-
-        def masks(f):  # per-leaf index into the leaf: which entries fragment f owns
-            if f == 0:
-                return {n: (slice(None) if n in UNSTACKED else None) for n in model0}
-            return {n: (groups[f - 1] if n in STACKED else None) for n in model0}
-    else:
-        dh, heff = h, h
-
-        def masks(f):
-            return {n: slice(None) for n in model0}
-
-    losses, contributed = [], []
+    dh, heff, masks = np_fragments(model0, streaming, h, p, order)
+    losses, contributed, resets = [], [], []
     for step_idx, x in enumerate(batches):
         rows = np.split(x.astype(np.float64), k)
         step_losses = []
@@ -193,44 +225,54 @@ def np_run(
             step_losses.append(loss)
         losses.append(step_losses)
         t = step_idx + 1
+        # with V >= 1 a reset island takes the outer model without this step's sync
+        reset_from = {n: o.copy() for n, o in outer.items()} if streaming and v else outer
         if t > 0 and t % dh == 0:  # sync
-            f = (t % heff) // dh
-            owned = {n: idx for n, idx in masks(f).items() if idx is not None}
+            owned = {n: idx for n, idx in masks((t % heff) // dh).items() if idx is not None}
             present = [
                 i for i in range(k)
                 if not (dropped and dropped(t, i))
                 and all(np.all(np.isfinite(outer[n][idx] - islands[i][n][idx])) for n, idx in owned.items())
             ]
-            for n, idx in owned.items():
-                if not present:
-                    continue
-                sent = []
-                for i in present:
-                    d = outer[n][idx] - islands[i][n][idx]
-                    if compression != "none":
-                        if error_feedback:
-                            d = d + residual[i][n][idx]
-                        q = np_quantize(d, compression)
-                        if error_feedback:
-                            residual[i][n][idx] = d - q
-                        d = q
-                    sent.append(d)
-                delta = np.mean(sent, axis=0)
-                trace[n][idx] = delta + momentum * trace[n][idx]
-                outer[n][idx] = outer[n][idx] - outer_lr * (delta + momentum * trace[n][idx])
+            if present:
+                for n, idx in owned.items():
+                    sent = [_sent(outer[n][idx] - islands[i][n][idx], residual[i][n], idx,
+                                  compression, error_feedback) for i in present]
+                    delta = np.mean(sent, axis=0)
+                    # β meets the stored trace in the trace's dtype: β is rounded to it
+                    new_trace = delta + cast(momentum, odt) * trace[n][idx]
+                    outer[n][idx] = cast(outer[n][idx] - outer_lr * (delta + momentum * new_trace), odt)
+                    trace[n][idx] = cast(new_trace, odt)
             contributed.append((t, len(present)))
         ta = t - (v if streaming else 0)
         if ta > 0 and ta % dh == 0:  # apply
-            f = (ta % heff) // dh
             a = alpha if streaming else 0.0
-            for n, idx in masks(f).items():
-                if idx is None:
+            owned = {n: idx for n, idx in masks((ta % heff) // dh).items() if idx is not None}
+            for i, isl in enumerate(islands):
+                if not all(np.all(np.isfinite(isl[n][idx])) for n, idx in owned.items()):
+                    islands[i] = {n: cast(o, dtype) for n, o in reset_from.items()}
+                    states[i] = inner.reset(states[i], islands[i])
+                    resets.append((t, i))
                     continue
-                for isl in islands:
-                    isl[n][idx] = outer[n][idx] if a == 0 else a * isl[n][idx] + (1 - a) * outer[n][idx]
+                for n, idx in owned.items():
+                    isl[n][idx] = cast(outer[n][idx] if a == 0 else a * isl[n][idx] + (1 - a) * outer[n][idx], dtype)
     if log is not None:
-        log.update(contributed=contributed, trace=trace)  # (t, islands in the mean) per sync
+        # (t, islands in the mean) per sync; (t, island) per reset
+        log.update(contributed=contributed, trace=trace, resets=resets)
     return np.array(losses), outer, islands
+
+
+def _sent(delta, residual_leaf, idx, compression, error_feedback):
+    """What one island sends for one leaf's part: its pseudo-gradient, quantized (plus the
+    carried error with error feedback, whose new value is written into `residual_leaf`)."""
+    if compression == "none":
+        return delta
+    if error_feedback:
+        delta = delta + residual_leaf[idx]
+    q = np_quantize(delta, compression)
+    if error_feedback:
+        residual_leaf[idx] = delta - q
+    return q
 
 
 FP4_LEVELS = np.array([0.0] + [2.0**e for e in range(-6, 1)])

@@ -62,3 +62,44 @@ def test_from_maxtext():
                                   outer_lr=0.5, outer_momentum=0.8)
     with pytest.raises(ValueError, match=r"outer_momentum \(β\)"):
         dl.DiLoCoConfig.from_maxtext({"diloco_outer_momentum": 1.2})
+
+
+def test_from_maxtext_derives_k_from_the_diloco_parallelism():
+    """MaxText has no num_diloco_replicas knob: K = ici × dcn diloco parallelism."""
+    assert dl.DiLoCoConfig.from_maxtext({"dcn_diloco_parallelism": 4}).num_replicas == 4
+    assert dl.DiLoCoConfig.from_maxtext(
+        {"ici_diloco_parallelism": 2, "dcn_diloco_parallelism": 4}).num_replicas == 8
+    # -1: the slices the other DCN axes leave (8 slices / dcn_fsdp 2 = 4)
+    cfg = dl.DiLoCoConfig.from_maxtext({"dcn_diloco_parallelism": -1, "num_slices": 8,
+                                        "dcn_fsdp_parallelism": 2, "dcn_data_parallelism": -1})
+    assert cfg.num_replicas == 4
+    with pytest.raises(ValueError, match="dcn_diloco_parallelism=-1 takes its size from num_slices"):
+        dl.DiLoCoConfig.from_maxtext({"dcn_diloco_parallelism": -1})
+    with pytest.raises(ValueError, match=r"num_slices=6 must be divisible by .* \(4\)"):
+        dl.DiLoCoConfig.from_maxtext({"dcn_diloco_parallelism": -1, "num_slices": 6,
+                                      "dcn_fsdp_parallelism": 4})
+    with pytest.raises(ValueError, match=r"num_diloco_replicas=3 disagrees with .* = 1 × 4 = 4"):
+        dl.DiLoCoConfig.from_maxtext({"num_diloco_replicas": 3, "dcn_diloco_parallelism": 4})
+
+
+def test_from_maxtext_takes_maxtexts_defaults():
+    """Missing keys take MaxText's base-config values, not ours: H=36, η=0.3, β=0.9, K=1."""
+    cfg = dl.DiLoCoConfig.from_maxtext({})
+    assert (cfg.num_replicas, cfg.sync_period, cfg.outer_lr, cfg.outer_momentum) == (1, 36, 0.3, 0.9)
+    assert not cfg.streaming and cfg.fragment_order == "interleaved"
+    cfg = dl.DiLoCoConfig.from_maxtext({"enable_streaming_diloco": True, "num_diloco_fragments": 4,
+                                        "dcn_diloco_parallelism": 2})
+    assert (cfg.streaming, cfg.num_fragments, cfg.overlap_steps, cfg.alpha) == (True, 4, 0, 0.0)
+    assert dl.Schedule.from_config(cfg).steps_between_syncs == 9  # round(36 / 4)
+    with pytest.raises(ValueError, match="needs num_diloco_fragments"):
+        dl.DiLoCoConfig.from_maxtext({"enable_streaming_diloco": True})
+
+
+def test_from_maxtext_warns_on_diloco_keys_it_does_not_model():
+    with pytest.warns(UserWarning, match="ignoring DiLoCo-related keys .*: diloco_bucketize_non_scanned, "
+                                         "enable_threaded_diloco"):
+        cfg = dl.DiLoCoConfig.from_maxtext({"enable_threaded_diloco": True, "dcn_diloco_parallelism": 2,
+                                            "diloco_bucketize_non_scanned": True, "base_emb_dim": 512})
+    assert cfg.num_replicas == 2
+    with pytest.warns(UserWarning, match="enable_diloco=False"):
+        dl.DiLoCoConfig.from_maxtext({"enable_diloco": False})

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from tests.reference import NpSGD, make_toy, toy_loss, toy_to_numpy
+from tests.reference import NpAdamW, NpSGD, make_toy, toy_loss, toy_to_numpy
 from tests.test_step import N_LAYERS, WIDTH, batches, reference_run
 
 
@@ -122,3 +122,48 @@ def test_fault_knobs_are_validated():
         dl.DiLoCoConfig(num_replicas=2, drop_prob=1.5)
     with pytest.raises(ValueError, match="drops must be a list of"):
         dl.DiLoCoConfig(num_replicas=2, drops=[3])
+
+
+RESET_MODES = {
+    "vanilla": dict(sync_period=3),
+    "streaming_v0": dict(streaming=True, sync_period=6, num_fragments=3),
+    "streaming_v2": dict(streaming=True, sync_period=6, num_fragments=3, overlap_steps=2, alpha=0.5),
+}
+
+
+@pytest.mark.parametrize("mode", list(RESET_MODES))
+def test_non_finite_island_is_reset_and_rejoins_under_adamw(mode):
+    """Island 1 sees a NaN batch at t=5, which poisons its AdamW moments too. At the next
+    apply (t=6 in each mode) it is reset: the outer model and fresh moments (the step count
+    kept), so it trains finitely again from t=7 and contributes to every later sync."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, **RESET_MODES[mode])
+    inner, inner_np = optax.adamw(0.01, weight_decay=1e-4), NpAdamW(0.01)
+    data = batches(18)
+    data[4] = data[4].copy()
+    data[4][4:] = np.nan
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    losses, resets, contributed = [], {}, {}
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m["loss_island_0"], m["loss_island_1"]])
+        if "islands_reset" in m:
+            resets[m["step"]] = m["islands_reset"]
+        if "islands_contributed" in m:
+            contributed[m["step"] - int(step.deferred)] = m["islands_contributed"]
+    log = {}
+    ref_losses, ref_outer, ref_islands = reference_run(cfg, data, inner_np, log=log)
+    assert log["resets"] == [(6, 1)]
+    assert {t: n for t, n in resets.items() if n} == {6: 1}
+    losses = np.array(losses)
+    assert np.isnan(losses[4, 1]) and np.isfinite(losses[6:]).all()
+    assert all(n == 2 for t, n in contributed.items() if t > 6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+    for name, got in toy_to_numpy(step.outer_model(state)).items():
+        np.testing.assert_allclose(got, ref_outer[name], rtol=2e-5, atol=2e-5)
+    for i, isl in enumerate(ref_islands):
+        for name, got in toy_to_numpy(state.island(i)).items():
+            np.testing.assert_allclose(got, isl[name], rtol=2e-5, atol=2e-5)
+    mu = state.inner_opt_state[0].mu
+    assert np.isfinite(np.asarray(mu.embed)).all()
+    assert np.asarray(state.inner_opt_state[0].count).tolist() == [18, 18]  # schedules continue

@@ -1,0 +1,125 @@
+"""The outer side's dtype policy: islands train in their own dtype (float32, bfloat16,
+float16), the outer model and its optimizer state stay float32, pseudo-gradients are formed
+and averaged in float32, and the apply casts back — checked against the NumPy reference
+with the same roundings written out."""
+
+import itertools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from tests.reference import NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
+from tests.test_step import N_LAYERS, WIDTH, batches
+
+DTYPES = {"float32": (jnp.float32, None), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
+          "float16": (jnp.float16, np.float16)}
+MODES = {
+    "vanilla": dict(sync_period=3),
+    "streaming_v0": dict(streaming=True, sync_period=6, num_fragments=3, alpha=0.5),
+    "streaming_v1": dict(streaming=True, sync_period=6, num_fragments=3, overlap_steps=1, alpha=0.5),
+}
+FORMATS = ["none", "bf16", "fp8", "fp4"]
+GRID = list(itertools.product(DTYPES, FORMATS, MODES))
+# the fast run takes each dtype with each mode once, compression formats cycling through
+FAST = {(d, FORMATS[(i + j) % 4], m) for i, d in enumerate(DTYPES) for j, m in enumerate(MODES)}
+
+
+def run_both(dtype, cfg, steps=12, lr=0.05):
+    """(JAX state, its outer model, per-step losses) and the reference's (losses, outer,
+    islands), from the same toy model stored in `dtype`."""
+    jdt, ndt = DTYPES[dtype]
+    model = make_toy(N_LAYERS, WIDTH, dtype=jdt)
+    data = batches(steps)
+    state = dl.init_state(model, optax.sgd(lr), cfg)
+    step = dl.make_train_step(cfg, toy_loss, optax.sgd(lr))
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
+    ref = np_run(
+        toy_to_numpy(model), data, k=cfg.num_replicas, h=cfg.sync_period, inner=NpSGD(lr, ndt),
+        streaming=cfg.streaming, p=cfg.num_fragments, v=cfg.overlap_steps, alpha=cfg.alpha,
+        compression=cfg.compression, dtype=ndt, outer_dtype=cfg.outer_dtype,
+    )
+    return state, step.outer_model(state), np.array(losses), ref
+
+
+@pytest.mark.parametrize(
+    "dtype,fmt,mode",
+    [g if g in FAST else pytest.param(*g, marks=pytest.mark.slow) for g in GRID],
+)
+def test_low_precision_matches_reference(dtype, fmt, mode):
+    cfg = dl.DiLoCoConfig(num_replicas=2, compression=fmt, **MODES[mode])
+    state, outer, losses, (ref_losses, ref_outer, ref_islands) = run_both(dtype, cfg)
+    assert np.isfinite(losses).all()
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+    for name, got in toy_to_numpy(outer).items():
+        np.testing.assert_allclose(got, ref_outer[name], rtol=2e-5, atol=2e-5)
+    for i, isl in enumerate(ref_islands):
+        for name, got in toy_to_numpy(state.island(i)).items():
+            # islands are stored in `dtype`: the reference rounds the same way, so they agree
+            # to float32 rounding of values that are then rounded to `dtype`
+            np.testing.assert_allclose(got, isl[name], rtol=2e-5, atol=2e-5)
+    jdt = DTYPES[dtype][0]
+    assert state.inner_model.embed.dtype == jdt and state.inner_model.layers.w.dtype == jdt
+    assert outer.embed.dtype == jnp.float32 and outer.layers.w.dtype == jnp.float32
+    trace = [x for x in jax.tree.leaves(state.outer_opt_state) if eqx.is_inexact_array(x)]
+    assert trace and all(x.dtype == jnp.float32 for x in trace)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("mode", ["vanilla", "streaming_v1"])
+def test_outer_in_parameter_dtype(dtype, mode):
+    """outer_dtype="param" keeps the outer model and trace in the parameters' dtype."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, compression="fp8", outer_dtype="param", **MODES[mode])
+    state, outer, losses, (ref_losses, ref_outer, _) = run_both(dtype, cfg)
+    jdt = DTYPES[dtype][0]
+    assert outer.embed.dtype == jdt
+    assert all(x.dtype == jdt for x in jax.tree.leaves(state.outer_opt_state) if eqx.is_inexact_array(x))
+    # XLA decides inside its fused outer update whether β·v is rounded to the trace's dtype,
+    # so the two sides may sit a unit in the last place of `dtype` (at the trace's scale,
+    # about 1) apart
+    ulp = {"bfloat16": 2.0**-7, "float16": 2.0**-10}[dtype]
+    np.testing.assert_allclose(losses, ref_losses, rtol=ulp)
+    for name, got in toy_to_numpy(outer).items():
+        np.testing.assert_allclose(got, ref_outer[name], rtol=ulp, atol=ulp)
+
+
+def test_outer_float32_keeps_small_updates_that_bfloat16_loses():
+    """Why float32 is the default: with a tiny outer learning rate, the outer update is
+    below half a unit in the last place of a bfloat16 outer model, which cannot move; a
+    float32 one does."""
+    moved = {}
+    for policy in ("float32", "param"):
+        cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=2, outer_lr=1e-3, outer_momentum=0.0,
+                              outer_dtype=policy)
+        state, outer, _, _ = run_both("bfloat16", cfg, steps=2)
+        start = toy_to_numpy(make_toy(N_LAYERS, WIDTH, dtype=jnp.bfloat16))
+        moved[policy] = np.mean([np.mean(toy_to_numpy(outer)[n] != start[n]) for n in start])
+    assert moved["float32"] > 0.9 and moved["param"] < 0.1
+
+
+def test_adamw_in_bfloat16_with_compression_stays_finite():
+    """The case that used to raise `lax.select requires arguments to have the same dtypes`."""
+    model = make_toy(N_LAYERS, WIDTH, dtype=jnp.bfloat16)
+    inner = optax.adamw(0.01, weight_decay=1e-4)
+    for mode in MODES.values():
+        cfg = dl.DiLoCoConfig(num_replicas=2, compression="bf16", **mode)
+        state = dl.init_state(model, inner, cfg)
+        step = dl.make_train_step(cfg, toy_loss, inner)
+        for x in batches(13):
+            state, m = step(state, x)
+            assert np.isfinite(m["loss"])
+        assert state.inner_model.embed.dtype == jnp.bfloat16
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(step.outer_model(state)))
+
+
+def test_outer_dtype_knob_is_validated():
+    with pytest.raises(ValueError, match=r"outer_dtype must be one of \('float32', 'param'\); got 'bf16'"):
+        dl.DiLoCoConfig(outer_dtype="bf16")
