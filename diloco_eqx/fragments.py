@@ -93,30 +93,21 @@ class Fragmentation:
         cfg: DiLoCoConfig,
         layers: Callable[[Any], Any] = default_layers,
     ) -> Fragmentation:
-        """Fragments of `model` for `cfg`; `layers` points at the stacked layer module."""
+        """Fragments of `model` for `cfg`; `layers` points at the stacked layer module.
+
+        Vanilla DiLoCo has one fragment, the whole model, and works on any Equinox model
+        (`layers` is not read). Streaming DiLoCo needs a stacked layer module: one Module
+        whose every floating-point leaf has the layer index as axis 0.
+        """
         params = eqx.filter(model, eqx.is_inexact_array)
-        marker = object()
-        try:
-            marked = eqx.tree_at(
-                layers, params, replace_fn=lambda sub: jax.tree.map(lambda _: marker, sub)
-            )
-        except Exception as e:  # noqa: BLE001 - re-raised with the knob named
-            raise ValueError(
-                "Fragmentation.from_model: `layers` must point at the model's stacked layer "
-                f"module (default: model.layers); it failed with {e!r}"
-            ) from e
-        mask = jax.tree.map(lambda x: x is marker, marked)
-        stack = [x for x, m in zip(jax.tree.leaves(params), jax.tree.leaves(mask)) if m]
         if not cfg.streaming:
-            return cls(1, (), _depth(stack), mask)
-        if not stack:
-            raise ValueError(
-                "streaming=True needs a stacked layer module (model.layers by default, or "
-                "pass layers=...) with at least one floating-point leaf; found none"
-            )
-        num_layers = _depth(stack)
-        groups = layer_groups(cfg.fragment_order, num_layers, cfg.num_fragments)
-        return cls(cfg.num_fragments, groups, num_layers, mask)
+            return cls(1, (), 0, jax.tree.map(lambda _: False, params))
+        stack = _layer_stack(model, layers)
+        marker = object()
+        marked = eqx.tree_at(layers, params, replace_fn=lambda sub: jax.tree.map(lambda _: marker, sub))
+        mask = jax.tree.map(lambda x: x is marker, marked)
+        groups = layer_groups(cfg.fragment_order, _depth(stack), cfg.num_fragments)
+        return cls(cfg.num_fragments, groups, _depth(stack), mask)
 
     def layer_indices(self, f: int) -> tuple[int, ...]:
         """Layer indices of fragment f >= 1."""
@@ -182,11 +173,43 @@ def _is_none(x) -> bool:
     return x is None
 
 
-def _depth(stack: list[jax.Array]) -> int:
-    depths = {x.shape[0] for x in stack if x.ndim}
-    if len(depths) > 1 or any(x.ndim == 0 for x in stack):
+HOW_TO_STACK = (
+    "build the layers as one stacked Module, e.g. `eqx.filter_vmap(make_layer)"
+    "(jax.random.split(key, num_layers))`, and run them with `jax.lax.scan`; if the stack is "
+    "not in `model.layers`, pass layers=lambda m: m.<field> to init_state, make_train_step "
+    "and Fragmentation.from_model"
+)
+
+
+def _layer_stack(model: eqx.Module, layers: Callable[[Any], Any]) -> list[jax.Array]:
+    """The floating-point leaves of the layer stack, checked to be a real stack."""
+    try:
+        stack = layers(model)
+    except Exception as e:  # noqa: BLE001 - re-raised with the knob named
         raise ValueError(
-            "every leaf of the layer stack must share the leading (layer) axis; found leading "
-            f"sizes {sorted(depths)}"
+            "streaming=True: `layers` must point at the model's stacked layer module "
+            f"(default: model.layers); it failed with {e!r}; {HOW_TO_STACK}"
+        ) from e
+    if isinstance(stack, (list, tuple)):
+        raise ValueError(
+            f"streaming=True needs a stacked layer module, but `layers` points at a Python "
+            f"{type(stack).__name__} of {len(stack)} layers; {HOW_TO_STACK}"
         )
-    return depths.pop() if depths else 0
+    leaves = [x for x in jax.tree.leaves(stack) if eqx.is_inexact_array(x)]
+    if not leaves:
+        raise ValueError(
+            "streaming=True needs a stacked layer module with at least one floating-point "
+            f"leaf; `layers` points at {type(stack).__name__} with none; {HOW_TO_STACK}"
+        )
+    sizes = sorted({x.shape[0] if x.ndim else 0 for x in leaves})
+    if len(sizes) > 1 or sizes == [0]:
+        raise ValueError(
+            "every leaf of the layer stack must have the layer index as axis 0, with one "
+            f"size for all leaves; found leading sizes {sizes} (0: a scalar leaf). Is it a "
+            f"stack? {HOW_TO_STACK}"
+        )
+    return leaves
+
+
+def _depth(stack: list[jax.Array]) -> int:
+    return stack[0].shape[0]

@@ -108,3 +108,47 @@ def test_streaming_needs_a_layer_stack():
 def test_layers_not_divisible_at_init_state():
     with pytest.raises(ValueError, match=r"num_fragments \(P\) - 1 must divide the number of layers: 4 layers"):
         dl.init_state(make_toy(4, 3), optax.sgd(0.1), cfg(4))
+
+
+class ListOfLayers(eqx.Module):
+    """Layers kept as a Python list, the way many Equinox models hold them."""
+
+    layers: list
+
+    def __init__(self, key, width=16, depth=3):
+        self.layers = [eqx.nn.Linear(width, width, key=k) for k in jax.random.split(key, depth)]
+
+
+class IntStack(eqx.Module):
+    layers: jax.Array
+    head: jax.Array
+
+
+class Ragged(eqx.Module):
+    layers: dict
+    head: jax.Array
+
+
+@pytest.mark.parametrize("model,message", [
+    (ListOfLayers(jax.random.key(0)), "a Python list of 3 layers"),
+    (eqx.nn.MLP(4, 2, 16, 2, key=jax.random.key(0)), "a Python tuple of 3 layers"),
+    (IntStack(jnp.arange(6).reshape(2, 3), jnp.ones(3)), "with at least one floating-point leaf"),
+    (Ragged({"a": jnp.ones((4, 2)), "b": jnp.ones((3, 2))}, jnp.ones(3)), r"leading sizes \[3, 4\]"),
+])
+def test_streaming_refuses_what_is_not_a_layer_stack(model, message):
+    """Checked up front: an unstacked list would otherwise be read as a stack of its
+    weights' rows, and the step would fail deep inside jax.vmap."""
+    for build in (lambda: Fragmentation.from_model(model, cfg(3)),
+                  lambda: dl.init_state(model, optax.sgd(0.1), cfg(3))):
+        with pytest.raises(ValueError, match=message) as e:
+            build()
+        assert "eqx.filter_vmap" in str(e.value) and "jax.lax.scan" in str(e.value)
+        assert "layers=lambda m: m.<field>" in str(e.value)
+
+
+def test_vanilla_ignores_layers():
+    """Vanilla DiLoCo has one fragment, the whole model: `layers` is never read."""
+    mlp = eqx.nn.MLP(4, 2, 16, 2, key=jax.random.key(0))
+    frags = Fragmentation.from_model(mlp, dl.DiLoCoConfig(), layers=lambda m: m.nothing_here)
+    assert frags.num_fragments == 1
+    assert frags.param_counts(params(mlp)) == [sum(x.size for x in jax.tree.leaves(params(mlp)))]

@@ -220,3 +220,62 @@ def test_compiles_once_over_three_periods(mesh_size):
             state, m = step(state, x)
             m["loss"]  # fetching metrics must not compile anything either
     assert compiles.count == 1
+
+
+def _mse(model, batch):
+    x, y = batch[:, :4], batch[:, 4:6]
+    return jax.numpy.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+class _ListModel(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.tanh(layer(x))
+        return self.layers[-1](x)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "list"])
+def test_vanilla_trains_any_equinox_model(kind):
+    """eqx.nn.MLP and a model holding a plain list of layers, no `layers=` argument: every
+    step equals two islands trained by hand with optax, averaged and moved by a NumPy
+    Nesterov step at each sync."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    if kind == "mlp":
+        model = eqx.nn.MLP(4, 2, 16, 2, key=keys[0])
+    else:
+        model = _ListModel([eqx.nn.Linear(4, 8, key=keys[0]), eqx.nn.Linear(8, 8, key=keys[1]),
+                            eqx.nn.Linear(8, 2, key=keys[2])])
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, outer_lr=0.7, outer_momentum=0.9)
+    inner = optax.sgd(0.1)
+    rng = np.random.default_rng(0)
+    data = [rng.normal(size=(8, 6)).astype(np.float32) for _ in range(9)]
+    state = dl.init_state(model, inner, cfg)
+    step = dl.make_train_step(cfg, _mse, inner)
+    got = []
+    for x in data:
+        state, m = step(state, x)
+        got.append([m["loss_island_0"], m["loss_island_1"]])
+
+    leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_inexact_array))
+    outer = [np.asarray(v, np.float64) for v in leaves]
+    trace = [np.zeros_like(v) for v in outer]
+    islands = [list(outer), list(outer)]
+    want = []
+    for t, x in enumerate(data, start=1):
+        row = []
+        for k in range(2):
+            m_k = eqx.combine(jax.tree.unflatten(treedef, [jax.numpy.asarray(v, jax.numpy.float32) for v in islands[k]]), model)
+            loss, g = eqx.filter_value_and_grad(_mse)(m_k, x[4 * k:4 * k + 4])
+            islands[k] = [v - 0.1 * np.asarray(gv, np.float64) for v, gv in zip(islands[k], jax.tree.leaves(g))]
+            row.append(float(loss))
+        want.append(row)
+        if t % 3 == 0:
+            delta = [np.mean([o - isl[j] for isl in islands], axis=0) for j, o in enumerate(outer)]
+            trace = [d + 0.9 * v for d, v in zip(delta, trace)]
+            outer = [o - 0.7 * (d + 0.9 * v) for o, d, v in zip(outer, delta, trace)]
+            islands = [list(outer), list(outer)]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(eqx.filter(step.outer_model(state), eqx.is_inexact_array)), outer):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
