@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import sysconfig
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,7 +79,10 @@ class Corpus:
 
     @classmethod
     def from_files(cls, patterns: Sequence[str]) -> Corpus:
-        """Text files named by paths, directories (every file under them) or globs."""
+        """Text files named by paths, directories (every file under them) or globs.
+
+        Files that look binary (a NUL byte in their first 8 KiB) are skipped with a warning
+        that counts them: byte-level language modelling of executables is rarely meant."""
         paths: list[Path] = []
         for pattern in patterns:
             matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
@@ -86,9 +90,23 @@ class Corpus:
                 raise ValueError(f"corpus path {pattern!r} matches no file or directory")
             for m in map(Path, matches):
                 paths.extend(sorted(p for p in m.rglob("*") if p.is_file()) if m.is_dir() else [m])
-        paths = sorted(set(paths))
-        docs = [(str(p), p.read_bytes()) for p in paths]
-        return cls.from_documents("files:" + ",".join(patterns), docs)
+        docs, skipped, skipped_bytes = [], 0, 0
+        for p in sorted(set(paths)):
+            if looks_binary(p):
+                skipped, skipped_bytes = skipped + 1, skipped_bytes + p.stat().st_size
+            else:
+                docs.append((str(p), p.read_bytes()))
+        name = "files:" + ",".join(patterns)
+        if skipped and not docs:
+            raise ValueError(f"corpus {name!r} holds only binary files ({skipped}, a NUL byte in "
+                             f"the first {BINARY_PROBE} bytes of each); give text files")
+        if skipped:
+            warnings.warn(
+                f"corpus {name!r}: skipped {skipped} binary file(s) ({skipped_bytes:,} bytes; a "
+                f"NUL byte in the first {BINARY_PROBE} bytes); kept {len(docs)} text file(s)",
+                stacklevel=2,
+            )
+        return cls.from_documents(name, docs, metadata={"skipped_binary_files": skipped})
 
     @classmethod
     def markov(
@@ -159,6 +177,15 @@ class Corpus:
             counts += np.bincount(self.tokens[self.offsets[d] : self.offsets[d + 1]], minlength=VOCAB_SIZE)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
+
+
+BINARY_PROBE = 8192
+
+
+def looks_binary(path: Path) -> bool:
+    """True if the file's first 8 KiB hold a NUL byte (text files, UTF-8 or not, do not)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_PROBE)
 
 
 class Windows(grain.sources.RandomAccessDataSource):

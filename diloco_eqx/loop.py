@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,54 @@ import numpy as np
 from tqdm import tqdm
 
 from diloco_eqx.checkpoint import Checkpointer
+
+
+class Interrupted(Exception):
+    """Training stopped on a signal, after the step in flight and a checkpoint of it."""
+
+    def __init__(self, step: int, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name} at step {step}")
+        self.step, self.signum = step, signum
+
+
+class StopSignals:
+    """While active, SIGINT and SIGTERM ask the loop to stop at the next step boundary
+    instead of killing the process mid-step; a second signal stops at once.
+
+    `requested()` says whether to stop; with `across_processes` every process learns of a
+    signal any one of them received (a small all-gather per step), so all stop together.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, across_processes: bool = False):
+        self.signum: int | None = None
+        self._across = across_processes
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:  # asked twice: stop now
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def requested(self) -> int | None:
+        """The signal to stop on, if any process received one; else None."""
+        if not self._across:
+            return self.signum
+        from jax.experimental import multihost_utils
+
+        seen = multihost_utils.process_allgather(np.int32(self.signum or 0))
+        return int(np.max(seen)) or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +137,15 @@ def train_loop(
     checkpointer: Checkpointer | None = None,
     extra: Callable[[], dict[str, Any]] = dict,
     elapsed: float = 0.0,
+    stop: Callable[[], int | None] = lambda: None,
 ) -> eqx.Module:
     """Run `step_fn` from `start_step` to `cfg.steps`; returns the final state.
 
     `batches` is a grain iterator (its `get_state()` goes into checkpoints); `evaluate`
     gives held-out losses of a state; `describe(t)` adds per-step fields (learning rates,
     tokens, bytes sent, next sync); `extra()` adds JSON-able fields to every checkpoint.
+    `stop()` is asked after every step: a signal number there ends the loop with the step
+    recorded and checkpointed, raising `Interrupted`.
     """
     t0 = time.perf_counter() - elapsed
     bar = tqdm(
@@ -131,8 +183,9 @@ def train_loop(
             # the loop's period: with step t+1 dispatched before step t is read, this is the
             # device's step time once the pipeline is full
             pending, last = (m, now - last), now
+            signum = stop()
             eval_due = cfg.eval_every and (t % cfg.eval_every == 0 or t == cfg.steps)
-            ckpt_due = checkpointer and (t % cfg.checkpoint_every == 0 or t == cfg.steps)
+            ckpt_due = checkpointer and (t % cfg.checkpoint_every == 0 or t == cfg.steps or signum)
             if eval_due or ckpt_due:
                 record(*pending)
                 pending = None
@@ -145,6 +198,10 @@ def train_loop(
                         {"data": batches.get_state(), "elapsed": time.perf_counter() - t0, **extra()},
                     )
                 last = time.perf_counter()
+            if signum:
+                if pending is not None:
+                    record(*pending)
+                raise Interrupted(t, signum)
         if pending is not None:
             record(*pending)
     finally:

@@ -53,8 +53,14 @@ def analyse(rows: list[dict]) -> dict:
     # seed noise: the spread between seeds of the same point, over all points
     spreads = [p["max"] - p["min"] for p in out.values() if len(p["losses"]) > 1]
     ref_losses = [p["mean"] for p in out.values() if p["V"] == 0]
-    noise = 100 * float(np.max(spreads) / np.mean(ref_losses)) if spreads else float("nan")
+    noise = 100 * float(np.max(spreads) / np.mean(ref_losses)) if spreads else None
     return {"points": out, "max_seed_spread_pct": noise}
+
+
+def spread_line(spread_pct: float | None) -> str:
+    if spread_pct is None:
+        return "largest seed spread: none (one seed per point; add seeds to measure the noise)"
+    return f"largest seed spread: {spread_pct:.2f}% of the loss"
 
 
 def plot(result: dict, path: Path, title: str) -> None:
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, out / "overlap.png", title)
     for name, pt in result["points"].items():
         print(f"{name:>16}: {pt['mean']:.4f} ({pt['change_pct']:+.2f}% vs V=0; seeds {pt['losses']})")
-    print(f"largest seed spread: {result['max_seed_spread_pct']:.2f}% of the loss; wrote {out / 'overlap.png'}")
+    print(f"{spread_line(result['max_seed_spread_pct'])}; wrote {out / 'overlap.png'}")
     return 0
 
 

@@ -21,6 +21,7 @@ import platform
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,23 +74,31 @@ class Settings:
     progress: bool = True
 
 
-RESUMABLE_CHANGES = ("steps", "resume", "progress", "out", "coordinator", "num_processes",
-                     "process_id", "heartbeat_timeout", "devices")
-"""Settings a --resume may change: the numbers do not depend on how islands are laid out."""
+RESUMABLE_CHANGES = ("resume", "progress", "out", "coordinator", "num_processes", "process_id",
+                     "heartbeat_timeout", "devices", "checkpoint_every")
+"""Settings a --resume may change: none of them changes a number the run computes (the
+islands' layout over devices and processes, where checkpoints fall, what is printed)."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The module docstring as written, and each flag's default."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line and a pointer to --help, not the whole usage text."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n{self.prog} --help lists every flag\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = Settings()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m experiments.train",
         description=__doc__,
         formatter_class=_HelpFormatter,
     )
-    g = p.add_argument_group("algorithm (SPEC.md knobs)")
+    g = p.add_argument_group("algorithm (the knobs of ALGORITHM.md)")
     g.add_argument("--mode", choices=MODES, default=d.mode,
                    help="diloco: DiLoCo / Streaming DiLoCo; ddp: gradients averaged every step")
     g.add_argument("--num-replicas", type=int, default=d.num_replicas, help="K, islands")
@@ -194,7 +203,28 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
     if settings.devices is not None and (settings.devices < 1 or settings.num_replicas % settings.devices):
         parser.error(f"--devices must be >= 1 and divide --num-replicas (K)={settings.num_replicas}; "
                      f"got {settings.devices}")
+    problem = unwritable(Path(settings.out))
+    if problem:
+        parser.error(f"--out {settings.out}: {problem}")
     return settings
+
+
+def unwritable(out: Path) -> str | None:
+    """Why a run could not write into `out` (None if it can), found without writing there:
+    the nearest existing directory on its path gets a probe file, removed at once."""
+    if out.exists() and not out.is_dir():
+        return "exists and is not a directory"
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        return f"cannot write in {parent} ({e.strerror or e})"
+    return None
 
 
 def _use_host_devices(n: int) -> None:
@@ -231,7 +261,16 @@ def run(settings: Settings) -> dict[str, Any]:
     from diloco_eqx.checkpoint import Checkpointer, key_from_json, key_to_json
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
     from diloco_eqx.fragments import Fragmentation
-    from diloco_eqx.loop import JsonlWriter, LoopConfig, mean_loss, read_jsonl, train_loop, write_json
+    from diloco_eqx.loop import (
+        Interrupted,
+        JsonlWriter,
+        LoopConfig,
+        StopSignals,
+        mean_loss,
+        read_jsonl,
+        train_loop,
+        write_json,
+    )
     from models.transformer import Transformer, TransformerConfig, count_params, loss_fn
 
     s = settings
@@ -253,6 +292,7 @@ def run(settings: Settings) -> dict[str, Any]:
         print(f"warning: {w.message}", file=sys.stderr)
     model_cfg = TransformerConfig(num_layers=s.layers, width=s.width, num_heads=s.heads,
                                   seq_len=s.seq_len)
+    check_out(s, out)
     if s.devices and len(jax.local_devices()) < s.devices:
         raise ValueError(f"--devices {s.devices}: only {len(jax.local_devices())} devices are "
                          "visible; jax was started before XLA_FLAGS could ask for more")
@@ -264,7 +304,11 @@ def run(settings: Settings) -> dict[str, Any]:
         ])
     else:
         mesh = dl.make_mesh(s.devices) if s.devices else None
-    corpus = load_corpus(s.corpus, data)
+    with warnings.catch_warnings(record=True) as corpus_warnings:
+        warnings.simplefilter("always")
+        corpus = load_corpus(s.corpus, data)
+    for w in corpus_warnings:
+        print(f"warning: {w.message}", file=sys.stderr)
     train_ids, eval_ids = corpus.split()
     share = s.global_batch // jax.process_count()  # this process's islands' rows
     rows = (jax.process_index() * share, (jax.process_index() + 1) * share)
@@ -277,16 +321,6 @@ def run(settings: Settings) -> dict[str, Any]:
     model = Transformer(model_cfg, key)
     if s.mode == "diloco":
         Fragmentation.from_model(model, cfg)  # checks layers vs fragments before writing
-    if (out / "run.json").exists() and not s.resume:
-        raise ValueError(f"--out {out} already holds a run; pass --resume to continue it or "
-                         "choose another --out")
-    if s.resume and (out / "run.json").exists():
-        previous = _read_json(out / "run.json")["settings"]
-        changed = {k: (previous.get(k), v) for k, v in _comparable(s).items()
-                   if previous.get(k) != v and k not in RESUMABLE_CHANGES}
-        if changed:
-            raise ValueError(f"--resume with different settings than the run in {out}: "
-                             + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()))
 
     # ---- build
     schedule = dl.Schedule.from_config(cfg) if s.mode == "diloco" else None
@@ -336,7 +370,10 @@ def run(settings: Settings) -> dict[str, Any]:
     if distributed:
         batches = _GlobalBatches(batches, mesh, (s.global_batch, s.seq_len + 1))
     start, elapsed = 0, 0.0
-    if s.resume and checkpointer.latest_step() is not None:
+    if s.resume and checkpointer.latest_step() is None:
+        print(f"--resume: no checkpoint in {out / 'checkpoints'} yet; starting from step 0",
+              file=sys.stderr)
+    elif s.resume:
         start, state, extra = checkpointer.restore(state)
         batches.set_state(extra["data"])
         key = key_from_json(extra["rng"])
@@ -369,15 +406,23 @@ def run(settings: Settings) -> dict[str, Any]:
           + (f", process {jax.process_index()} of {jax.process_count()}" if distributed else ""),
           file=sys.stderr)
     writer = JsonlWriter(out / "metrics.jsonl", keep_through=start) if primary else _Discard()
+    signals = StopSignals(across_processes=distributed)
     try:
-        state = train_loop(
-            state, step_fn, batches,
-            cfg=LoopConfig(steps=s.steps, eval_every=s.eval_every,
-                           checkpoint_every=s.checkpoint_every, tokens_per_step=tokens_per_step,
-                           progress=s.progress and primary),
-            start_step=start, metrics=writer, evaluate=evaluate, describe=describe,
-            checkpointer=checkpointer, extra=lambda: {"rng": key_to_json(key)}, elapsed=elapsed,
-        )
+        with signals:
+            state = train_loop(
+                state, step_fn, batches,
+                cfg=LoopConfig(steps=s.steps, eval_every=s.eval_every,
+                               checkpoint_every=s.checkpoint_every, tokens_per_step=tokens_per_step,
+                               progress=s.progress and primary),
+                start_step=start, metrics=writer, evaluate=evaluate, describe=describe,
+                checkpointer=checkpointer, extra=lambda: {"rng": key_to_json(key)}, elapsed=elapsed,
+                stop=signals.requested,
+            )
+    except Interrupted as e:
+        if primary:
+            write_json(out / "run.json", meta | {"status": "interrupted", "interrupted_at": e.step})
+            _plot(out)
+        raise
     finally:
         writer.close()
         checkpointer.close()
@@ -396,17 +441,49 @@ def run(settings: Settings) -> dict[str, Any]:
         "wall_time": steps_rows[-1]["wall_time"] if steps_rows else 0.0,
         "comm_bytes_per_island": describe(s.steps)["comm_bytes_per_island"],
     }
+    _plot(out)
+    write_json(out / "run.json", meta | {"status": "finished", "summary": summary})
+    print(f"held-out loss {final['eval_loss']:.4f} nats/byte (unigram entropy of held-out bytes "
+          f"{unigram:.4f}" + (f", source optimum {corpus.entropy_rate:.4f}" if corpus.entropy_rate else "")
+          + f"); wrote {out}", file=sys.stderr)
+    return summary
+
+
+def check_out(s: Settings, out: Path) -> None:
+    """Refuse to overwrite a run, to resume nothing, or to resume with settings that change
+    the run's numbers."""
+    has_run = (out / "run.json").exists()
+    if has_run and not s.resume:
+        raise ValueError(f"--out {out} already holds a run; pass --resume to continue it or "
+                         "choose another --out")
+    if s.resume and not has_run:
+        raise ValueError(f"--resume: nothing to resume in {out} (no run.json there); leave out "
+                         "--resume to start a new run")
+    if s.resume:
+        previous = _read_json(out / "run.json")["settings"]
+        changed = {k: (previous.get(k), v) for k, v in _comparable(s).items()
+                   if previous.get(k) != v and k not in RESUMABLE_CHANGES}
+        if changed:
+            hint = " (--steps sets the length of the learning-rate schedule)" if "steps" in changed else ""
+            raise ValueError(
+                f"--resume with settings that change the numbers of the run in {out}: "
+                + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()) + hint
+                + "; resume with the run's own settings, or start a new run with another --out")
+
+
+def _plot(out: Path) -> None:
     try:
         from tools.plot_runs import plot_runs
 
         plot_runs([out], out / "loss.png")
     except ImportError as e:  # plotting is a convenience; the run itself is complete
         print(f"warning: no loss plot ({e})", file=sys.stderr)
-    write_json(out / "run.json", meta | {"status": "finished", "summary": summary})
-    print(f"held-out loss {final['eval_loss']:.4f} nats/byte (unigram entropy of held-out bytes "
-          f"{unigram:.4f}" + (f", source optimum {corpus.entropy_rate:.4f}" if corpus.entropy_rate else "")
-          + f"); wrote {out}", file=sys.stderr)
-    return summary
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run."""
+    args = [a for a in argv if a != "--resume"]
+    return " ".join(["python -m experiments.train", *args, "--resume"])
 
 
 class _Discard:
@@ -485,8 +562,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     out = Path(settings.out)
     existed = out.exists()
+    if settings.devices:  # before anything imports jax
+        _use_host_devices(settings.devices)
+    from diloco_eqx.loop import Interrupted
+
     try:
         run(settings)
+    except Interrupted as e:
+        print(f"{e}; checkpoint saved in {out / 'checkpoints'}; continue with: "
+              f"{resume_command(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        return 128 + e.signum
     except (ValueError, FileNotFoundError) as e:
         if not existed and out.exists() and not (out / "run.json").exists() and settings.process_id == 0:
             shutil.rmtree(out, ignore_errors=True)

@@ -164,3 +164,15 @@ def test_process_rows_are_the_matching_slice_of_the_global_batch(non_iid):
             np.testing.assert_array_equal(part[i], full[i][lo:hi])
     with pytest.raises(ValueError, match=r"rows must be a range inside 0..8"):
         data.train_batches(corpus, train, rows=(4, 9), **kw)
+
+
+def test_binary_files_are_skipped_and_counted(tmp_path):
+    (tmp_path / "a.txt").write_text("print('hello')\n" * 20)
+    (tmp_path / "b.txt").write_text("x = 1\n" * 30)
+    (tmp_path / "tool").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 4)
+    with pytest.warns(UserWarning, match=r"skipped 1 binary file\(s\) \(1,032 bytes.*kept 2 text"):
+        corpus = data.Corpus.from_files([str(tmp_path)])
+    assert corpus.num_docs == 2 and corpus.metadata["skipped_binary_files"] == 1
+    assert corpus.metadata["bytes"] == 15 * 20 + 6 * 30
+    with pytest.raises(ValueError, match="holds only binary files"):
+        data.Corpus.from_files([str(tmp_path / "tool")])

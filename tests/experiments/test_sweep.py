@@ -24,6 +24,7 @@ def test_grid_points_and_flags():
         sweep.parse_grid(["alpha"])
 
 
+@pytest.mark.slow  # end to end: several training subprocesses
 def test_half_finished_sweep_resumes_without_redoing(tmp_path):
     grid = {"seed": [0, 1, 2]}
     out = tmp_path / "sweep"
@@ -54,3 +55,16 @@ def test_failed_point_is_reported(tmp_path, capsys):
     assert sweep.main(["--out", str(tmp_path / "s"), "--grid", "compression=int4", "--", *TINY]) == 1
     assert "1 sweep point(s) failed: compression=int4" in capsys.readouterr().err
     assert "compression must be one of" in (tmp_path / "s" / "compression=int4.log").read_text()
+
+
+def test_one_seed_reports_no_spread_instead_of_nan():
+    from experiments import sweep_overlap
+
+    rows = [{"alpha": 0.0, "overlap_steps": v, "eval_loss": loss} for v, loss in ((0, 2.0), (1, 2.1))]
+    result = sweep_overlap.analyse(rows)
+    assert result["max_seed_spread_pct"] is None
+    assert result["points"]["alpha=0.0,V=1"]["change_pct"] == pytest.approx(5.0)
+    assert "nan" not in sweep_overlap.spread_line(result["max_seed_spread_pct"])
+    two = sweep_overlap.analyse(rows + [{"alpha": 0.0, "overlap_steps": 0, "eval_loss": 2.2}])
+    assert two["max_seed_spread_pct"] == pytest.approx(100 * 0.2 / 2.1)
+    assert sweep_overlap.spread_line(two["max_seed_spread_pct"]) == "largest seed spread: 9.52% of the loss"
