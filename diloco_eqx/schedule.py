@@ -1,4 +1,4 @@
-"""When each fragment is synced and applied: the schedule arithmetic of SPEC.md.
+"""When each fragment is synced and applied: the schedule arithmetic of ALGORITHM.md.
 
 Vanilla DiLoCo is the special case of one fragment (the whole model) with no delay:
 ``Schedule(sync_period=H)`` syncs and applies everything at every multiple of H.

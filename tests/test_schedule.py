@@ -1,4 +1,4 @@
-"""Schedule: SPEC.md's worked table, and properties over random H, P, V."""
+"""Schedule: ALGORITHM.md's worked table, and properties over random H, P, V."""
 
 import pytest
 from hypothesis import given, settings
@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 import diloco_eqx as dl
 
-# SPEC.md, P=4, H=12 (Δh=3, H_eff=12), V=1: t -> (sync fragment, apply fragment).
+# ALGORITHM.md, P=4, H=12 (Δh=3, H_eff=12), V=1: t -> (sync fragment, apply fragment).
 WORKED = {3: (1, None), 4: (None, 1), 6: (2, None), 7: (None, 2), 9: (3, None),
           10: (None, 3), 12: (0, None), 13: (None, 0)}
 

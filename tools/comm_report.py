@@ -1,4 +1,4 @@
-"""What crosses the diloco axis, measured from the compiled step and set beside SPEC.md's formulas.
+"""What crosses the diloco axis, measured from the compiled step and set beside ALGORITHM.md's formulas.
 
     python -m tools.comm_report                                  # Streaming, P=3, the default model
     python -m tools.comm_report --no-streaming --compression bf16 --json comm.json
@@ -8,7 +8,7 @@ The transformer is lowered and compiled for a diloco axis of D simulated CPU dev
 island per device by default), and every collective in the compiled HLO is attributed to the
 fragment whose sync issued it. "payload" is what one island contributes to a sync (the
 operand of an all-reduce, its share of an all-gather); "ring" is what it sends with the
-bandwidth-optimal ring algorithm at this D; SPEC.md's 2·|Θ_f|·b is the ring figure for large D.
+bandwidth-optimal ring algorithm at this D; ALGORITHM.md's 2·|Θ_f|·b is the ring figure for large D.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def format_report(r: dict) -> str:
     h = c["sync_period"]
     lines += [
         "",
-        "bytes per island (measured payload | SPEC.md formula with float32 b=4, this run's b for streaming):",
+        "bytes per island (measured payload | ALGORITHM.md formula with float32 b=4, this run's b for streaming):",
         f"{'':>22} {'per step (amortized)':>22} {'peak burst':>14} {'formula/step':>14} {'formula burst':>14}",
         f"{'DDP':>22} {ddp:>22,.0f} {ddp:>14,} {2 * n4:>14,.0f} {2 * n4:>14,}",
         f"{'vanilla DiLoCo, H=' + str(h):>22} {van / h:>22,.1f} {van:>14,} {2 * n4 / h:>14,.1f} {2 * n4:>14,}",
