@@ -9,6 +9,7 @@ computations that run on every call (reachable from ENTRY without entering a
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 COLLECTIVE_OPS = (
@@ -41,6 +42,8 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _FRAGMENT = re.compile(r"/fragment_(\d+)/")
 
 
@@ -153,16 +156,28 @@ def collectives(hlo: str) -> list[Collective]:
             if op.endswith("-start") and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2 :]  # (operands, results) tuple: keep results
             op_name = _OP_NAME.search(line)
-            groups = _GROUPS_LIST.search(line)
-            if groups:
-                size = len(groups.group(1).split(","))
-            else:
-                iota = _GROUPS_IOTA.search(line)
-                size = int(iota.group(1)) if iota else 1
             found.append(
-                Collective(kind, name, comp, shapes, op_name.group(1) if op_name else "", size)
+                Collective(kind, name, comp, shapes, op_name.group(1) if op_name else "",
+                           group_size(line))
             )
     return found
+
+
+def group_size(line: str) -> int:
+    """Participants per replica group of one collective, in any of the notations XLA prints:
+    explicit groups `{{0,1},{2,3}}`, iota `[2,2]<=[4]`, or (newer XLA) mesh axes
+    `mesh['diloco'=2,'data'=2] {'diloco'}` (the product of the named axes' sizes)."""
+    groups = _GROUPS_LIST.search(line)
+    if groups:
+        return len(groups.group(1).split(","))
+    iota = _GROUPS_IOTA.search(line)
+    if iota:
+        return int(iota.group(1))
+    mesh = _GROUPS_MESH.search(line)
+    if mesh:
+        sizes = {name: int(n) for name, n in _MESH_AXIS.findall(mesh.group(1))}
+        return math.prod(sizes[a.strip().strip("'")] for a in mesh.group(2).split(",") if a.strip())
+    return 1
 
 
 def unconditional_computations(hlo: str) -> set[str]:

@@ -1,5 +1,7 @@
 """comms: reading collectives and branch structure out of HLO text."""
 
+import pytest
+
 from diloco_eqx import comms
 
 HLO = """HloModule m
@@ -65,3 +67,17 @@ def test_bytes_sent_matches_a_step_by_step_count():
                 total += 2 * per_fragment[f] * 4
             assert comms.bytes_sent(t, per_fragment, sched) == total, (sched, t)
     assert comms.bytes_sent(3, [10, 20]) == 3 * 2 * 30 * 4  # DDP: everything, every step
+
+
+@pytest.mark.parametrize("line,size", [
+    ("%a = f32[4] all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%r", 2),
+    ("%a = f32[4] all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%r", 4),
+    ("%a = s32[] all-reduce(%x), replica_groups=mesh['diloco'=2] {'diloco'}, to_apply=%r", 2),
+    ("%a = f32[4] all-reduce(%x), replica_groups=mesh['diloco'=2,'data'=4] {'data'}, to_apply=%r", 4),
+    ("%a = f32[4] all-reduce(%x), replica_groups=mesh['diloco'=2,'data'=2,'fsdp'=2] {'diloco','fsdp'}, "
+     "to_apply=%r", 4),
+    ("%a = f32[4] all-reduce(%x), to_apply=%r", 1),
+])
+def test_group_size_in_every_notation(line, size):
+    """jax 0.10's XLA prints explicit or iota groups; jax 0.12's prints mesh axes."""
+    assert comms.group_size(line) == size

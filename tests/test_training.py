@@ -6,12 +6,14 @@ import math
 import jax
 import numpy as np
 import optax
+import pytest
 
 import diloco_eqx as dl
 from diloco_eqx import data
 from models.transformer import Transformer, TransformerConfig, loss_fn
 
 
+@pytest.mark.slow  # end to end: 300 steps of a real model
 def test_streaming_diloco_learns_the_markov_stream():
     model_cfg = TransformerConfig(num_layers=4, width=64, num_heads=4, seq_len=64)
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=12, streaming=True, num_fragments=3,

@@ -207,11 +207,16 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
     first = next(iter(checks))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
     diloco_mem = memory[f"{first}/streaming"]["resident_bytes"]
+    size = sizes[0]
+    low = _bfloat16_memory(Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
+                                                         num_heads=size.heads, seq_len=size.seq_len),
+                                       jax.random.key(0)),
+                           inner, K, sync_period, size)
     return {
         "compilations": max(c["count"] for c in compilations.values()),
         "memory": {"plain_bytes": plain_mem, "diloco_bytes": diloco_mem,
                    "expected_extra_bytes": checks[first]["expected_extra_bytes"],
-                   "config": first, "all": memory},
+                   "config": first, "all": memory, "bfloat16": low},
         "rows": rows,
         "compile": compilations,
         "sizes": checks,
@@ -251,6 +256,32 @@ def _plain(model, loss_fn, inner, k, mesh):
 
     step.lower = lambda state, batch: compiled.lower(batch, state).lowered
     return state, step
+
+
+def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
+    """Memory of plain and vanilla DiLoCo steps for the model in bfloat16 (no mesh): the
+    extra is 2·|Θ|·4 bytes, since the outer model and trace stay float32."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import diloco_eqx as dl
+    from diloco_eqx import profiling
+    from models.transformer import count_params, loss_fn
+
+    model = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
+    batch = jnp.asarray(np.zeros((size.global_batch, size.seq_len + 1), np.int32))
+    cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
+    plain_state, plain_step = _plain(model, loss_fn, inner, k, None)
+    plain = profiling.memory(plain_step.lower(plain_state, batch).compile())["resident_bytes"]
+    state = dl.init_state(model, inner, cfg)
+    diloco = profiling.memory(
+        dl.make_train_step(cfg, loss_fn, inner).lower(state, batch).compile())["resident_bytes"]
+    n = count_params(model)
+    return {"param_dtype": "bfloat16", "outer_dtype": "float32", "params": n,
+            "plain_bytes": plain, "diloco_bytes": diloco, "extra_bytes": diloco - plain,
+            "expected_extra_bytes": 2 * n * 4, "param_bytes_bfloat16": 2 * n}
 
 
 def _set_step(state, t, mesh, eqx, jnp, islands):
@@ -302,6 +333,12 @@ def format_table(result: dict) -> str:
         lines.append(f"{key}: {s['params']:,} params, inner step {s['inner_flops_per_s'] / 1e9:.2f} "
                      f"GFLOP/s vs matmul {s['matmul_flops_per_s'] / 1e9:.2f} GFLOP/s: "
                      f"utilisation {s['utilisation']:.2f}")
+    low = result["memory"].get("bfloat16")
+    if low:
+        lines.append(f"bfloat16 islands, float32 outer (vanilla, no mesh): extra resident "
+                     f"{low['extra_bytes']:,} B vs 2·|Θ|·4 = {low['expected_extra_bytes']:,} B "
+                     f"(ratio {low['extra_bytes'] / low['expected_extra_bytes']:.3f}; "
+                     f"2·|Θ|·2 would be {2 * low['param_bytes_bfloat16']:,} B)")
     return "\n".join(lines)
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import subprocess_env
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--num-replicas", "4", "--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "16",
         "--global-batch", "8", "--sync-period", "6", "--streaming", "--num-fragments", "3",
@@ -24,7 +26,7 @@ def free_port() -> int:
 
 
 def launch(args, log):
-    env = {**os.environ, "XLA_FLAGS": ""}  # each process asks for its own --devices
+    env = subprocess_env()  # each process asks for its own --devices
     return subprocess.Popen([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
@@ -44,9 +46,10 @@ def losses(out):
 
 def single(args, out):
     subprocess.run([sys.executable, "-m", "experiments.train", *args, "--devices", "4", "--out", str(out)],
-                   cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, check=True, capture_output=True)
+                   cwd=ROOT, env=subprocess_env(), check=True, capture_output=True)
 
 
+@pytest.mark.slow  # end to end: three training processes
 def test_two_processes_equal_one(tmp_path):
     args = [*TINY, "--steps", "12", "--eval-every", "6", "--checkpoint-every", "6"]
     procs = launch_pair(args, tmp_path / "two", tmp_path, "p")

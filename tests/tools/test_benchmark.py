@@ -17,6 +17,9 @@ def test_quick_benchmark_json(tmp_path):
     assert mem["diloco_bytes"] > mem["plain_bytes"] > 0
     extra = mem["diloco_bytes"] - mem["plain_bytes"]
     assert abs(extra / mem["expected_extra_bytes"] - 1) < 0.10
+    low = mem["bfloat16"]  # the outer side stays float32: b_outer = 4 whatever the islands use
+    assert abs(low["extra_bytes"] / low["expected_extra_bytes"] - 1) < 0.10
+    assert low["expected_extra_bytes"] == 2 * low["params"] * 4
     phases = {(r["mode"], r["phase"]) for r in result["rows"]}
     for mode in ("diloco", "streaming"):
         assert {(mode, p) for p in ("nonsync", "sync", "amortized")} <= phases
