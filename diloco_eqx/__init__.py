@@ -1,28 +1,41 @@
 """diloco_eqx: DiLoCo and Streaming DiLoCo in JAX + Equinox.
 
-Read in data-flow order: config -> schedule / fragments -> state -> step.
+The algorithm, in data-flow order: config -> schedule / fragments -> state -> sync -> step.
+Training infrastructure lives in `diloco_eqx.training`, measurement in `diloco_eqx.analysis`;
+both use this package, never the reverse.
 """
 
+from diloco_eqx.codecs import AbstractCodec, register_codec, registered_codecs
 from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.faults import AbstractFaultModel, register_fault_model, registered_fault_models
 from diloco_eqx.fragments import Fragmentation
-from diloco_eqx.islands import AXIS, make_mesh
+from diloco_eqx.mesh import AXIS, make_mesh
+from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.orders import register_order, registered_orders
-from diloco_eqx.outer import outer_optimizer
 from diloco_eqx.schedule import Schedule
 from diloco_eqx.state import DiLoCoState, init_state
-from diloco_eqx.step import StepMetrics, make_train_step
+from diloco_eqx.step import Plan, TrainStep, make_train_step
+from diloco_eqx.sync import outer_optimizer
 
 __all__ = [
     "AXIS",
+    "AbstractCodec",
+    "AbstractFaultModel",
     "DiLoCoConfig",
     "DiLoCoState",
     "Fragmentation",
+    "Plan",
     "Schedule",
     "StepMetrics",
+    "TrainStep",
     "init_state",
     "make_mesh",
     "make_train_step",
     "outer_optimizer",
+    "register_codec",
+    "register_fault_model",
     "register_order",
+    "registered_codecs",
+    "registered_fault_models",
     "registered_orders",
 ]

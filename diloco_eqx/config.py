@@ -8,8 +8,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from diloco_eqx import codecs, faults
 from diloco_eqx._checks import check_int, check_number
-from diloco_eqx.compression import check_format
 from diloco_eqx.orders import Order, resolve_order
 from diloco_eqx.schedule import Schedule
 
@@ -43,7 +43,9 @@ MAXTEXT_READ = {*MAXTEXT_NAMES, *MAXTEXT_DEFAULTS, "enable_diloco", "num_slices"
 
 @dataclasses.dataclass(frozen=True)
 class DiLoCoConfig:
-    """The knobs of ALGORITHM.md. Invalid values raise ValueError naming the knob."""
+    """The algorithm's knobs (ALGORITHM.md), each declared once here with its docstring
+    (the CLI and tools derive their flags from these fields). Invalid values raise
+    ValueError naming the knob."""
 
     num_replicas: int = 2
     """K: islands training independently."""
@@ -64,7 +66,8 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9
     """β: outer Nesterov momentum."""
     compression: str = "none"
-    """Format of the pseudo-gradients on the wire: "none" (float32), "bf16", "fp8", "fp4"."""
+    """Format of the pseudo-gradients on the wire: "none" (float32), "bf16", "fp8", "fp4",
+    or a codec registered with register_codec."""
     error_feedback: bool = False
     """Carry each island's quantization error into its next pseudo-gradient of that fragment."""
     drops: tuple[tuple[int, int], ...] = ()
@@ -73,6 +76,8 @@ class DiLoCoConfig:
     """Chance that an island misses a sync: one value for every island, or one per island."""
     fault_seed: int = 0
     """Seed of the drop_prob coin (a function of the seed and t, so resumes repeat it)."""
+    faults: tuple[str, ...] = ()
+    """Further fault models, by the names they were registered under (register_fault_model)."""
     outer_dtype: str = "float32"
     """Storage of the outer model and outer optimizer state: "float32" (at least float32,
     whatever the inner dtype) or "param" (each parameter's own dtype)."""
@@ -87,7 +92,7 @@ class DiLoCoConfig:
         check_number("outer_lr (η_outer)", self.outer_lr, "(0, inf)", lambda a: a > 0.0)
         check_number("outer_momentum (β)", self.outer_momentum, "[0, 1)", lambda a: 0.0 <= a < 1.0)
         resolve_order(self.fragment_order)
-        check_format(self.compression)
+        codecs.check_format(self.compression)
         if self.outer_dtype not in OUTER_DTYPES:
             raise ValueError(f"outer_dtype must be one of {OUTER_DTYPES}; got {self.outer_dtype!r}")
         if not isinstance(self.error_feedback, bool):
@@ -146,6 +151,26 @@ class DiLoCoConfig:
         for p in probs:
             check_number("drop_prob", p, "[0, 1]", lambda x: 0.0 <= x <= 1.0)
         check_int("fault_seed", self.fault_seed, low=0)
+        if isinstance(self.faults, str) or not all(isinstance(n, str) for n in self.faults):
+            raise ValueError(f"faults must be a list of registered fault model names; got {self.faults!r}")
+        object.__setattr__(self, "faults", tuple(self.faults))
+        for name in self.faults:
+            faults.get_fault_model(name)
+
+    @property
+    def schedule(self) -> Schedule:
+        """When each fragment is synced and applied."""
+        return Schedule.from_config(self)
+
+    @property
+    def codec(self) -> codecs.AbstractCodec:
+        """The codec the `compression` knob names."""
+        return codecs.get_codec(self.compression)
+
+    @property
+    def fault_model(self) -> faults.AbstractFaultModel:
+        """Non-finite islands, plus the drops, the coin and the named fault models asked for."""
+        return faults.from_knobs(self.drops, self.island_drop_probs, self.fault_seed, self.faults)
 
     @property
     def island_drop_probs(self) -> tuple[float, ...]:

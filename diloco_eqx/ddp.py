@@ -16,10 +16,11 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
-from diloco_eqx import islands
-from diloco_eqx.outer import tree_norm
+from diloco_eqx import mesh as islands
+from diloco_eqx.metrics import StepMetrics, check_batch, split_batch
 from diloco_eqx.state import owned_copy
-from diloco_eqx.step import LossFn, StepMetrics, check_batch, split_batch
+from diloco_eqx.step import LossFn
+from diloco_eqx.sync import tree_norm
 
 
 class DDPState(eqx.Module):

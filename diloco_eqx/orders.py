@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from diloco_eqx._registry import Registry
+
 Order = Callable[[int, int], Sequence[Sequence[int]]]
 
 
@@ -24,36 +26,30 @@ def sequential(num_layers: int, num_fragments: int) -> tuple[tuple[int, ...], ..
     return tuple(tuple(range(i * m, (i + 1) * m)) for i in range(num_fragments - 1))
 
 
-_ORDERS: dict[str, Order] = {"interleaved": interleaved, "sequential": sequential}
+ORDERS: Registry[Order] = Registry("fragment_order", "a callable", callable)
+ORDERS.register("interleaved", interleaved)
+ORDERS.register("sequential", sequential)
 
 
 def register_order(name: str, fn: Order, *, overwrite: bool = False) -> None:
     """Make `fn` available as `fragment_order=name`."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"fragment_order name must be a non-empty string; got {name!r}")
-    if not callable(fn):
-        raise ValueError(f"fragment_order {name!r}: expected a callable, got {fn!r}")
-    if name in _ORDERS and not overwrite and _ORDERS[name] is not fn:
-        raise ValueError(
-            f"fragment_order {name!r} is already registered; pass overwrite=True to replace it"
-        )
-    _ORDERS[name] = fn
+    ORDERS.register(name, fn, overwrite=overwrite)
 
 
 def registered_orders() -> tuple[str, ...]:
-    return tuple(sorted(_ORDERS))
+    return tuple(sorted(ORDERS.names()))
 
 
 def resolve_order(order: str | Order) -> Order:
     """The order function for a name or callable; ValueError naming the knob otherwise."""
     if callable(order):
         return order
-    if order not in _ORDERS:
+    if order not in ORDERS:
         raise ValueError(
             f"fragment_order must be one of {registered_orders()} or a callable "
             f"(num_layers, num_fragments) -> index tuples; got {order!r}"
         )
-    return _ORDERS[order]
+    return ORDERS[order]
 
 
 def layer_groups(

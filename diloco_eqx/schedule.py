@@ -1,4 +1,4 @@
-"""When each fragment is synced and applied: the schedule arithmetic of ALGORITHM.md.
+"""When each fragment is synced and applied: pure arithmetic, importing nothing from the package.
 
 Vanilla DiLoCo is the special case of one fragment (the whole model) with no delay:
 ``Schedule(sync_period=H)`` syncs and applies everything at every multiple of H.
@@ -7,34 +7,39 @@ Vanilla DiLoCo is the special case of one fragment (the whole model) with no del
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from diloco_eqx._checks import check_int
+Step = int | Int[Array, ""]
 
-if TYPE_CHECKING:
-    from diloco_eqx.config import DiLoCoConfig
+
+def _check(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Δh, H_eff and the sync/apply fragment of every global step t.
 
-    `t` counts inner steps taken; the first train step ends with t = 1. Each method has a
-    Python form (int in, int or None out) and a traced form (`*_traced`) used inside the
-    compiled step, so one compiled function serves every schedule position.
+    `t` counts inner steps taken; the first train step ends with t = 1. `is_sync`,
+    `is_apply` and `fragment_at` are one formula for Python ints and for traced int32
+    scalars (jnp's % is a floor modulo like Python's), so the compiled step and the host
+    agree by construction; `sync_fragment`/`apply_fragment` answer with an int or None.
     """
 
-    sync_period: int
+    sync_period: int = 100
+    """H: requested inner steps between syncs of the same parameters."""
     num_fragments: int = 1
+    """P: fragments synced in turn (1: vanilla DiLoCo)."""
     overlap_steps: int = 0
+    """V: steps between a fragment's sync and its apply."""
 
     def __post_init__(self):
-        check_int("sync_period (H)", self.sync_period, low=1)
-        check_int("num_fragments (P)", self.num_fragments, low=1)
-        check_int("overlap_steps (V)", self.overlap_steps, low=0)
+        _check("sync_period (H)", self.sync_period, 1)
+        _check("num_fragments (P)", self.num_fragments, 1)
+        _check("overlap_steps (V)", self.overlap_steps, 0)
         if self.overlap_steps >= self.period:
             raise ValueError(
                 f"overlap_steps (V) must be in [0, H_eff) = [0, {self.period}); got "
@@ -43,15 +48,11 @@ class Schedule:
             )
 
     @classmethod
-    def from_config(cls, cfg: DiLoCoConfig) -> Schedule:
-        """The schedule a config asks for; vanilla mode is one fragment, no delay."""
+    def from_config(cls, cfg) -> Schedule:
+        """The schedule a DiLoCoConfig asks for (also `cfg.schedule`)."""
         if not cfg.streaming:
             return cls(sync_period=cfg.sync_period)
-        return cls(
-            sync_period=cfg.sync_period,
-            num_fragments=cfg.num_fragments,
-            overlap_steps=cfg.overlap_steps,
-        )
+        return cls(cfg.sync_period, cfg.num_fragments, cfg.overlap_steps)
 
     @property
     def steps_between_syncs(self) -> int:
@@ -63,15 +64,21 @@ class Schedule:
         """H_eff = P·Δh: steps for every fragment to be synced once."""
         return self.num_fragments * self.steps_between_syncs
 
-    def fragment_at(self, t: int) -> int:
-        """f(t) = (t mod H_eff) // Δh."""
+    def is_sync(self, t: Step) -> bool | Bool[Array, ""]:
+        """A sync fires at t > 0 with t mod Δh = 0."""
+        return (t > 0) & (t % self.steps_between_syncs == 0)
+
+    def is_apply(self, t: Step) -> bool | Bool[Array, ""]:
+        """An apply fires V steps after a sync."""
+        return self.is_sync(t - self.overlap_steps)
+
+    def fragment_at(self, t: Step) -> int | Int[Array, ""]:
+        """f(t) = (t mod H_eff) div Δh: the fragment a sync at t would take."""
         return (t % self.period) // self.steps_between_syncs
 
     def sync_fragment(self, t: int) -> int | None:
         """Fragment synced at step t, or None."""
-        if t > 0 and t % self.steps_between_syncs == 0:
-            return self.fragment_at(t)
-        return None
+        return self.fragment_at(t) if self.is_sync(t) else None
 
     def apply_fragment(self, t: int) -> int | None:
         """Fragment applied at step t (synced V steps earlier), or None."""
@@ -81,15 +88,12 @@ class Schedule:
         """The first step > t at which a sync fires."""
         return (t // self.steps_between_syncs + 1) * self.steps_between_syncs
 
-    def is_sync_traced(self, t: Int[Array, ""]) -> Bool[Array, ""]:
-        return (t > 0) & (t % self.steps_between_syncs == 0)
-
-    def is_apply_traced(self, t: Int[Array, ""]) -> Bool[Array, ""]:
-        return self.is_sync_traced(t - self.overlap_steps)
+    # the traced spellings of earlier versions (the formulas above already take arrays)
+    is_sync_traced = is_sync
+    is_apply_traced = is_apply
 
     def fragment_at_traced(self, t: Int[Array, ""]) -> Int[Array, ""]:
-        # jnp's % is floor-mod like Python's, so t - V < 0 never gives a negative fragment.
-        return jnp.mod(t, self.period) // self.steps_between_syncs
+        return jnp.asarray(self.fragment_at(t))
 
     def table(self, steps: int) -> list[tuple[int, int | None, int | None]]:
         """(t, sync fragment, apply fragment) for t = 1..steps."""

@@ -1,9 +1,11 @@
-"""DiLoCoState: everything the algorithm carries from one step to the next."""
+"""DiLoCoState: everything the algorithm carries from one step to the next, and where each
+part lives on the mesh."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -12,23 +14,29 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
-from diloco_eqx import islands
+from diloco_eqx import mesh as mesh_lib
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
-from diloco_eqx.outer import outer_optimizer, to_outer_dtype, wide
+from diloco_eqx.sync import outer_optimizer as default_outer_optimizer
+from diloco_eqx.sync import to_outer_dtype, wide
 
 
 class DiLoCoState(eqx.Module):
-    """Inner islands, outer model and Nesterov trace, and the global step t.
+    """Inner islands, the outer model and its optimizer state, and the global step t.
 
-    `inner_model`/`inner_opt_state` have a leading island axis of size K on every array leaf,
-    laid out along the diloco mesh axis; `outer_model`/`outer_opt_state` have none.
+    `inner_model`/`inner_opt_state` (and `residual`, `pending`) have a leading island axis
+    of size K on every array leaf, laid out along the diloco mesh axis; `outer` and
+    `outer_opt_state` have none. `outer_opt_state` holds one optimizer state per fragment,
+    each initialised on that fragment's parameters, so a stateful outer optimizer (Adam's
+    step count, a learning-rate schedule) advances only on its own fragment's syncs.
     """
 
     inner_model: eqx.Module
     inner_opt_state: PyTree
-    outer_model: eqx.Module
-    outer_opt_state: PyTree
+    outer: eqx.Module
+    """The outer model as of the last completed exchange. With V >= 1 a sync at the last step
+    may still be in flight; `train_step.outer_model(state)` folds it in."""
+    outer_opt_state: tuple[PyTree, ...]
     step: Int[Array, ""]
     residual: PyTree = None
     """Per-island quantization error carried to the next sync (error feedback), else None."""
@@ -36,10 +44,37 @@ class DiLoCoState(eqx.Module):
     """Per-island pseudo-gradients stashed at a sync for the next step's exchange (streaming
     with V >= 1), else None."""
 
+    ON_ISLANDS: ClassVar[frozenset[str]] = frozenset({"inner_model", "inner_opt_state", "residual", "pending"})
+    """Fields with a leading island axis (sharded over "diloco"); the others are replicated."""
+
+    @property
+    def outer_model(self) -> eqx.Module:
+        """The outer model, where it cannot be stale (no exchange can be in flight)."""
+        if self.pending is not None:
+            raise RuntimeError(
+                "state.outer_model: with overlap_steps (V) >= 1 the exchange of a sync at the last "
+                "step runs in the next step, so the stored outer model may miss it; use "
+                "train_step.outer_model(state), which folds it in (state.outer is the stored value)"
+            )
+        return self.outer
+
     def island(self, k: int) -> eqx.Module:
         """Island k's model (no K axis)."""
         arrays, static = eqx.partition(self.inner_model, eqx.is_array)
         return eqx.combine(jax.tree.map(lambda x: x[k], arrays), static)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(DiLoCoState))
+
+
+def state_specs(state: DiLoCoState) -> DiLoCoState:
+    """Each field's partition spec (a prefix of the state's tree): island fields sharded over
+    "diloco", the rest replicated, absent fields None."""
+    return DiLoCoState(**{
+        name: None if getattr(state, name) is None
+        else mesh_lib.ISLANDS if name in DiLoCoState.ON_ISLANDS else mesh_lib.REPLICATED
+        for name in _FIELDS
+    })
 
 
 def owned_copy(tree):
@@ -54,46 +89,53 @@ def init_state(
     cfg: DiLoCoConfig,
     mesh: Mesh | None = None,
     layers: Callable[[Any], Any] = default_layers,
+    *,
+    outer_optimizer: optax.GradientTransformation | None = None,
 ) -> DiLoCoState:
-    """Every island starts from `model`; the outer model is `model`; the trace is zero.
+    """Every island starts from `model`; the outer model is `model`; outer state from `init`.
 
     Islands keep `model`'s dtypes; the outer model and its optimizer state are stored in
-    float32 (`cfg.outer_dtype="param"`: in the parameters' own dtypes). The state owns copies
-    of `model`'s arrays, so donating it to the step leaves `model` intact. `layers` points at
-    the stacked layer module (streaming only; checked against the fragment knobs here).
+    float32 (`cfg.outer_dtype="param"`: in the parameters' own dtypes). `outer_optimizer`
+    (default: Nesterov SGD from `outer_lr`, `outer_momentum`) must be the one given to
+    `make_train_step`. The state owns copies of `model`'s arrays, so donating it to the
+    step leaves `model` intact. `layers` points at the stacked layer module (streaming only;
+    checked against the fragment knobs here).
     """
-    islands.check_divides(cfg.num_replicas, mesh)
-    Fragmentation.from_model(model, cfg, layers)
+    mesh_lib.check_divides(cfg.num_replicas, mesh)
+    frags = Fragmentation.from_model(model, cfg, layers)
+    tx = default_outer_optimizer(cfg) if outer_optimizer is None else outer_optimizer
     params = eqx.filter(model, eqx.is_inexact_array)
     k = cfg.num_replicas
 
     def per_island(tree):
-        return jax.tree.map(
-            lambda x: jnp.broadcast_to(x, (k, *x.shape)) if eqx.is_array(x) else x, tree
-        )
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)) if eqx.is_array(x) else x, tree)
 
     model = owned_copy(model)
-    inner_model = per_island(model)
-    inner_opt_state = per_island(inner_optimizer.init(params))
-    outer_model = to_outer_dtype(model, cfg.outer_dtype)
-    outer_opt_state = outer_optimizer(cfg).init(eqx.filter(outer_model, eqx.is_inexact_array))
-    # pseudo-gradients (stashed, or their carried quantization error) are at least float32
-    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params)
-    residual = None
-    if carries_residual(cfg):
-        residual = islands.place(per_island(zeros), mesh, islands.ISLANDS)
-    pending = None
-    if cfg.streaming and cfg.overlap_steps >= 1:
-        pending = islands.place(per_island(zeros), mesh, islands.ISLANDS)
-    return DiLoCoState(
-        inner_model=islands.place(inner_model, mesh, islands.ISLANDS),
-        inner_opt_state=islands.place(inner_opt_state, mesh, islands.ISLANDS),
-        outer_model=islands.place(outer_model, mesh, islands.REPLICATED),
-        outer_opt_state=islands.place(outer_opt_state, mesh, islands.REPLICATED),
-        step=islands.place(jnp.zeros((), jnp.int32), mesh, islands.REPLICATED),
-        residual=residual,
-        pending=pending,
+    outer = to_outer_dtype(model, cfg.outer_dtype)
+    outer_params = eqx.filter(outer, eqx.is_inexact_array)
+    outer_opt_state = tuple(tx.init(frags.take(outer_params, f)) for f in range(frags.num_fragments))
+    def zeros():  # pseudo-gradients (stashed, or their carried errors): at least float32
+        return per_island(jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params))
+
+    state = DiLoCoState(
+        inner_model=per_island(model),
+        inner_opt_state=per_island(inner_optimizer.init(params)),
+        outer=outer,
+        outer_opt_state=outer_opt_state,
+        step=jnp.zeros((), jnp.int32),
+        residual=zeros() if carries_residual(cfg) else None,
+        pending=zeros() if cfg.streaming and cfg.overlap_steps >= 1 else None,
     )
+    return place_state(state, mesh)
+
+
+def place_state(state: DiLoCoState, mesh: Mesh | None) -> DiLoCoState:
+    """Lay every field out on `mesh` by its partition spec."""
+    if mesh is None:
+        return state
+    specs = state_specs(state)
+    return DiLoCoState(**{name: mesh_lib.place(getattr(state, name), mesh, getattr(specs, name))
+                          for name in _FIELDS})
 
 
 def carries_residual(cfg: DiLoCoConfig) -> bool:

@@ -1,121 +1,381 @@
-"""make_train_step: one compiled global step of DiLoCo / Streaming DiLoCo.
+"""The compiled global step of DiLoCo and Streaming DiLoCo, as named pure functions over a
+static `Plan`.
 
-Inside the step, in order: one inner step on every island; t += 1; the sync stage
-(`lax.cond` on the schedule, `lax.switch` over fragments): pseudo-gradients of fragment
-f(t), their mean over the contributing islands (exchange.py), one Nesterov step on the
-outer fragment; the apply stage (same shape): blend the outer fragment f(t−V) into every
-island. Schedule positions are branches, not Python control flow, so the step compiles once.
+One step, in order: the inner step on every island; t += 1; the sync stage (fragment f(t):
+pseudo-gradients, their mean over the contributing islands, one outer step on f); the apply
+stage (fragment f(t−V): blend the outer fragment into every island, or reset an island
+whose fragment went non-finite). Every schedule position is a branch built by
+`on_fragment` (`lax.cond` on the schedule around `lax.switch` over fragments), so the step
+compiles once. Vanilla DiLoCo is the one-fragment, V = 0 case of the same functions.
 
-With V >= 1 the exchange is deferred: the sync stage of step t only stashes the islands'
-pseudo-gradients, and step t+1 begins with the exchange and outer step on that stash, which
-nothing in its inner step depends on (critical_path.py shows it), so the collective can run
-while the inner step computes. The apply at t+V sees the same outer values either way.
+With V >= 1 the exchange is deferred (`deferred_step`): the sync stage of step t only
+stashes each island's pseudo-gradient, and step t+1 begins with the exchange and outer step
+on that stash — work that nothing in its inner step depends on, so the collective can run
+while the inner step computes (`analysis.critical_path` checks it). The numbers are those
+of the direct form (`direct_step`).
+
+Everything runs inside `jax.shard_map` over the "diloco" axis, on the array leaves of the
+state; the shard_map specs come from the state's fields (`state_specs`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import dataclasses
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh
-from jaxtyping import Array, Float, PyTree
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
-from diloco_eqx import exchange, islands
+from diloco_eqx import mesh as mesh_lib
+from diloco_eqx import sync
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
-from diloco_eqx.outer import (
-    all_finite,
-    blend,
-    cast_like,
-    outer_optimizer,
-    outer_step,
-    pseudo_gradient,
-    tree_norm,
-)
-from diloco_eqx.schedule import Schedule
-from diloco_eqx.state import DiLoCoState
+from diloco_eqx.metrics import StepMetrics, check_batch, split_batch
+from diloco_eqx.state import DiLoCoState, state_specs
+from diloco_eqx.sync import SyncMetrics
 
 LossFn = Callable[[eqx.Module, PyTree], Float[Array, ""]]
 
 
-class StepMetrics(Mapping):
-    """The step's metrics, fetched from the device on first access (so the host can
-    dispatch the next step before reading this one).
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything static about a run's step; bound into the step functions with `partial`.
+    `fragments` is filled in from the state's outer model when the step is traced."""
 
-    Keys: "step" (t), "loss" (mean over islands), "loss_island_{i}", any other scalar the
-    step reports; with a schedule, on sync steps also "sync_fragment", "pseudo_grad_norm"
-    (norm of the mean pseudo-gradient), "outer_update_norm", "islands_contributed" (islands
-    in the mean: not dropped, finite) and, with compression, "compression_error"
-    (‖decoded − sent‖/‖sent‖, mean over islands); on apply steps "apply_fragment". With the
-    deferred exchange the sync diagnostics arrive one step later, with "exchanged_fragment".
-    On apply steps also "islands_reset": islands whose applied fragment was not finite and
-    that were reset to the outer model with fresh inner optimizer state.
+    cfg: DiLoCoConfig
+    loss_fn: LossFn
+    inner_optimizer: optax.GradientTransformation
+    outer_optimizer: optax.GradientTransformation
+    mesh: Mesh | None
+    layers: Callable[[Any], Any]
+    deferred: bool
+    fragments: Fragmentation | None = None
+
+    @property
+    def schedule(self):
+        return self.cfg.schedule
+
+    @property
+    def alpha(self) -> float:
+        return float(self.cfg.alpha) if self.cfg.streaming else 0.0
+
+    @property
+    def num_islands(self) -> int:
+        return self.cfg.num_replicas
+
+    @property
+    def local_islands(self) -> int:
+        return self.cfg.num_replicas // mesh_lib.axis_size(self.mesh)
+
+    def for_model(self, model: eqx.Module) -> Plan:
+        return dataclasses.replace(self, fragments=Fragmentation.from_model(model, self.cfg, self.layers))
+
+
+class StepReport(eqx.Module):
+    """The device-side metrics of one step (see `StepMetrics` for the host-side keys)."""
+
+    step: Int[Array, ""]
+    loss_island: Float[Array, " k"]
+    sync: SyncMetrics
+    reset_island: Bool[Array, " k"]
+
+    @staticmethod
+    def specs(compressed: bool) -> StepReport:
+        r, i = mesh_lib.REPLICATED, mesh_lib.ISLANDS
+        return StepReport(r, i, SyncMetrics(r, r, r, i if compressed else None), i)
+
+    def as_dict(self) -> dict[str, Array]:
+        out = {"step": self.step, "loss_island": self.loss_island, "reset_island": self.reset_island,
+               "pseudo_grad_norm": self.sync.pseudo_grad_norm,
+               "outer_update_norm": self.sync.outer_update_norm,
+               "islands_contributed": self.sync.islands_contributed}
+        if self.sync.compression_error is not None:
+            out["compression_error"] = self.sync.compression_error
+        return out
+
+
+def params(tree: PyTree) -> PyTree:
+    return eqx.filter(tree, eqx.is_inexact_array)
+
+
+def on_fragment(predicate, f, branches: Sequence[Callable], otherwise: Callable, *operands):
+    """`branches[f](*operands)` when `predicate` holds, else `otherwise(*operands)`: the
+    one shape of every schedule position (a cond around a switch over fragments)."""
+
+    def taken(*ops):
+        return branches[0](*ops) if len(branches) == 1 else lax.switch(f, branches, *ops)
+
+    return lax.cond(predicate, taken, otherwise, *operands)
+
+
+# ---------------------------------------------------------------- the inner step
+
+
+def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree, batches: PyTree):
+    """One inner optimizer step on each island of this device: (islands, states, losses).
+    `inner` holds the islands' array leaves; `static` the model's other parts."""
+
+    def one(arrays, opt_state, batch):
+        model = eqx.combine(arrays, static)
+        loss, grads = eqx.filter_value_and_grad(plan.loss_fn)(model, batch)
+        updates, opt_state = plan.inner_optimizer.update(grads, opt_state, params(model))
+        return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), opt_state, loss
+
+    return mesh_lib.map_islands(one, inner, inner_opt, batches)
+
+
+# ---------------------------------------------------------------- sync of one fragment
+
+
+def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree) -> PyTree:
+    """Each island's pseudo-gradient of fragment f (no communication)."""
+    take = plan.fragments.take
+    outer_f = take(params(outer), f)
+    return mesh_lib.map_islands(lambda m: sync.pseudo_gradient(outer_f, take(params(m), f)), inner)
+
+
+def exchange_fragment(plan: Plan, f: int, t_sync, deltas, outer, outer_opt, residual):
+    """The mean of fragment f's pseudo-gradients over the islands that contribute to the sync
+    at `t_sync`, and one outer step on f with f's own optimizer state. If no island
+    contributes, the outer fragment and its state stay as they were."""
+    frags, mesh = plan.fragments, plan.mesh
+    outer_f = frags.take(params(outer), f)
+    ok = ~plan.cfg.fault_model.missing(t_sync, mesh_lib.island_ids(plan.num_islands, mesh), deltas)
+    res_f = None if residual is None else mesh_lib.map_islands(lambda r: frags.take(r, f), residual)
+    mean, count, res_f, err = sync.mean_pseudo_gradient(
+        plan.cfg.codec, deltas, ok, res_f, outer_f, plan.num_islands, mesh)
+    if residual is not None:
+        residual = mesh_lib.map_islands(lambda r, e: frags.put(r, f, e), residual, res_f)
+    new_f, new_opt, update = sync.outer_step(plan.outer_optimizer, mean, outer_opt[f], outer_f)
+    anyone = count > 0
+    new_f = sync.keep_if(anyone, new_f, outer_f)
+    new_opt = sync.keep_if(anyone, new_opt, outer_opt[f])
+    report = SyncMetrics(sync.tree_norm(mean), jnp.where(anyone, sync.tree_norm(update), 0.0), count, err)
+    outer_opt = (*outer_opt[:f], new_opt, *outer_opt[f + 1:])
+    return frags.put(outer, f, new_f), outer_opt, residual, report
+
+
+def sync_fragment(plan: Plan, f: int, t, inner, outer, outer_opt, residual):
+    """Sync of fragment f inside step t: pseudo-gradients, exchange, outer step."""
+    with jax.named_scope(f"fragment_{f}"):
+        deltas = island_deltas(plan, f, inner, outer)
+        return exchange_fragment(plan, f, t, deltas, outer, outer_opt, residual)
+
+
+def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, residual):
+    """The exchange of the sync stashed at `t_sync` (the previous step): reads only the stash
+    and the outer state, never this step's inner work."""
+    with jax.named_scope(f"fragment_{f}"):
+        deltas = mesh_lib.map_islands(lambda p: plan.fragments.take(p, f), pending)
+        return exchange_fragment(plan, f, t_sync, deltas, outer, outer_opt, residual)
+
+
+def stash_fragment(plan: Plan, f: int, inner, outer, pending):
+    """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step."""
+    deltas = island_deltas(plan, f, inner, outer)
+    return mesh_lib.map_islands(lambda p, d: plan.fragments.put(p, f, d), pending, deltas)
+
+
+def no_exchange(plan: Plan, _, outer, outer_opt, residual):
+    zeros = SyncMetrics.zeros(plan.local_islands, not plan.cfg.codec.lossless, plan.mesh)
+    return outer, outer_opt, residual, zeros
+
+
+def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
+    """The direct form: the sync of fragment f(t), if t is a sync step."""
+    s, p = plan.schedule, plan.schedule.num_fragments
+    branches = [partial(sync_fragment, plan, f, t) for f in range(p)]
+    return on_fragment(s.is_sync(t), s.fragment_at(t), branches, partial(no_exchange, plan),
+                       inner, outer, outer_opt, residual)
+
+
+def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual):
+    """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step."""
+    s, p = plan.schedule, plan.schedule.num_fragments
+    branches = [partial(exchange_stashed, plan, f, t_sync) for f in range(p)]
+    return on_fragment(s.is_sync(t_sync), s.fragment_at(t_sync), branches, partial(no_exchange, plan),
+                       pending, outer, outer_opt, residual)
+
+
+def stash_stage(plan: Plan, t, inner, outer, pending):
+    s, p = plan.schedule, plan.schedule.num_fragments
+    branches = [partial(stash_fragment, plan, f) for f in range(p)]
+    return on_fragment(s.is_sync(t), s.fragment_at(t), branches, lambda i, o, pend: pend,
+                       inner, outer, pending)
+
+
+# ---------------------------------------------------------------- apply of one fragment
+
+
+def apply_fragment(plan: Plan, f: int, inner, outer):
+    """Every island takes outer fragment f, blended with α; also says which islands' own
+    fragment f was not finite (those are reset instead)."""
+    take, put = plan.fragments.take, plan.fragments.put
+    outer_f = take(mesh_lib.island_local(params(outer), plan.mesh), f)
+
+    def one(island):
+        own = take(params(island), f)
+        return put(island, f, sync.blend(own, outer_f, plan.alpha)), ~sync.all_finite(own)
+
+    return mesh_lib.map_islands(one, inner)
+
+
+def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
+    """Islands flagged in `bad` take the outer model (in their own dtypes), and every leaf
+    of their inner optimizer state that is not finite restarts from `init` on it (finite
+    leaves, such as step counts, are kept so schedules continue)."""
+    fresh = sync.cast_like(params(outer), params(inner))
+    fresh_opt = plan.inner_optimizer.init(fresh)
+
+    def pick(x, new, only_non_finite):
+        if not eqx.is_inexact_array(x):
+            return x
+        drop = bad
+        if only_non_finite:
+            drop = drop & ~jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
+        return jnp.where(drop.reshape(-1, *[1] * (x.ndim - 1)), new[None], x)
+
+    new_params = jax.tree.map(lambda x, n: pick(x, n, False), params(inner), fresh)
+    inner = eqx.combine(new_params, eqx.filter(inner, eqx.is_inexact_array, inverse=True))
+    return inner, jax.tree.map(lambda x, n: pick(x, n, True), inner_opt, fresh_opt)
+
+
+def apply_stage(plan: Plan, t, inner, inner_opt, outer):
+    """The apply of fragment f(t−V), if t is an apply step; then the reset of any island
+    found non-finite. Returns (islands, their optimizer states, which were reset)."""
+    s, p = plan.schedule, plan.schedule.num_fragments
+    branches = [partial(apply_fragment, plan, f) for f in range(p)]
+    none = mesh_lib.island_local(jnp.zeros((plan.local_islands,), bool), plan.mesh)
+    inner, bad = on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
+                             lambda i, o: (i, none), inner, outer)
+    inner, inner_opt = lax.cond(jnp.any(bad), partial(reset_islands, plan), lambda b, i, o, _: (i, o),
+                                bad, inner, inner_opt, mesh_lib.island_local(params(outer), plan.mesh))
+    return inner, inner_opt, bad
+
+
+# ---------------------------------------------------------------- whole steps
+
+
+def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tuple[DiLoCoState, StepReport]:
+    """Inner step, sync (exchange included) and apply, all in step t."""
+    with jax.named_scope("inner_step"):
+        inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches)
+    t = s.step + 1
+    with jax.named_scope("diloco_sync"):
+        outer, outer_opt, residual, report = sync_stage(plan, t, inner, s.outer, s.outer_opt_state, s.residual)
+    # With V >= 1 the apply never reads the fragment synced in the same step, and an island
+    # reset there takes the outer model without that sync (in the deferred form it is still
+    # in flight): both forms apply from the outer model before this step's sync.
+    applied_from = outer if plan.schedule.overlap_steps == 0 else s.outer
+    with jax.named_scope("diloco_apply"):
+        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, applied_from)
+    new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, s.pending)
+    return new, StepReport(t, losses, report, reset)
+
+
+def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tuple[DiLoCoState, StepReport]:
+    """The exchange of the sync stashed in the previous step, then inner step, stash of this
+    step's sync, and apply."""
+    with jax.named_scope("diloco_sync"):
+        outer, outer_opt, residual, report = exchange_stage(
+            plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual)
+    with jax.named_scope("inner_step"):
+        inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches)
+    t = s.step + 1
+    with jax.named_scope("diloco_stash"):
+        pending = stash_stage(plan, t, inner, outer, s.pending)
+    with jax.named_scope("diloco_apply"):
+        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer)
+    new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, pending)
+    return new, StepReport(t, losses, report, reset)
+
+
+def settled_outer(plan: Plan, s: DiLoCoState) -> PyTree:
+    """The outer model's arrays with a stashed sync's exchange folded in."""
+    outer, *_ = exchange_stage(plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual)
+    return outer
+
+
+def check_outer_state(plan: Plan, state: DiLoCoState) -> None:
+    """The state's outer optimizer states must be the ones this plan's optimizer makes."""
+    outer = params(state.outer)
+    want = jax.eval_shape(lambda: tuple(plan.outer_optimizer.init(plan.fragments.take(outer, f))
+                                        for f in range(plan.fragments.num_fragments)))
+    if jax.tree.structure(want) != jax.tree.structure(state.outer_opt_state):
+        raise ValueError(
+            "outer_optimizer: the state's outer optimizer states do not have the structure this "
+            "step's outer optimizer makes; give init_state and make_train_step the same "
+            "outer_optimizer (and the same config)")
+
+
+def run_step(plan: Plan, batch: PyTree, state: DiLoCoState) -> tuple[DiLoCoState, dict[str, Array]]:
+    """One global step on a placed (GBS, ...) batch; the function `TrainStep` jits."""
+    plan = plan.for_model(state.outer)
+    check_outer_state(plan, state)
+    arrays, static = eqx.partition(state, eqx.is_array)
+    body = partial(deferred_step if plan.deferred else direct_step, plan, static)
+    specs = state_specs(arrays)
+    body = mesh_lib.shard_islands(body, plan.mesh, in_specs=(specs, mesh_lib.ISLANDS),
+                                  out_specs=(specs, StepReport.specs(not plan.cfg.codec.lossless)))
+    arrays, report = body(arrays, split_batch(batch, plan.num_islands))
+    return eqx.combine(arrays, static), report.as_dict()
+
+
+def run_settle(plan: Plan, state: DiLoCoState) -> eqx.Module:
+    plan = plan.for_model(state.outer)
+    arrays, static = eqx.partition(state, eqx.is_array)
+    body = mesh_lib.shard_islands(partial(settled_outer, plan), plan.mesh,
+                                  in_specs=(state_specs(arrays),), out_specs=mesh_lib.REPLICATED)
+    return eqx.combine(body(arrays), static.outer)
+
+
+class TrainStep:
+    """`(state, batch) -> (state, metrics)`, compiled once with the state donated.
+
+    `outer_model(state)` is the outer model with every sync up to `state.step` folded in;
+    `lower(state, batch)` the lowered step (`.compile().as_text()` is its HLO);
+    `jaxpr(state, batch)` its traced program (for `analysis.critical_path`).
     """
 
-    SYNC_KEYS = ("pseudo_grad_norm", "outer_update_norm")
-    ISLAND_SYNC_KEYS = ("compression_error",)
-    """Per-island sync metrics, reported as their mean over islands."""
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        # filter_jit donates every argument but the first: the caller's batch is kept
+        self._step = eqx.filter_jit(partial(run_step, plan), donate="all-except-first")
+        self._settle = eqx.filter_jit(partial(run_settle, plan))
 
-    def __init__(
-        self,
-        device_metrics: dict[str, Array],
-        schedule: Schedule | None = None,
-        exchange_delay: int = 0,
-    ):
-        self._device = device_metrics
-        self._schedule = schedule
-        self._delay = exchange_delay
-        self._host: dict[str, float | int] | None = None
+    @property
+    def schedule(self):
+        return self.plan.schedule
 
-    def _fetch(self) -> dict[str, float | int]:
-        if self._host is None:
-            m = islands.to_host(self._device)
-            t = int(m["step"])
-            losses = np.asarray(m["loss_island"], np.float64)
-            host: dict[str, float | int] = {"step": t, "loss": float(losses.mean())}
-            host.update({f"loss_island_{i}": float(x) for i, x in enumerate(losses)})
-            host.update(
-                {k: float(v) for k, v in m.items()
-                 if k not in ("step", "loss_island", "islands_contributed", "reset_island",
-                              *self.SYNC_KEYS, *self.ISLAND_SYNC_KEYS)}
-            )
-            if self._schedule is not None:
-                synced = self._schedule.sync_fragment(t)
-                if synced is not None:
-                    host["sync_fragment"] = synced
-                exchanged = self._schedule.sync_fragment(t - self._delay)
-                if exchanged is not None:
-                    if self._delay:
-                        host["exchanged_fragment"] = exchanged
-                    host.update({k: float(m[k]) for k in self.SYNC_KEYS})
-                    host["islands_contributed"] = int(m["islands_contributed"])
-                    host.update(
-                        {k: float(np.mean(m[k])) for k in self.ISLAND_SYNC_KEYS if k in m}
-                    )
-                applied = self._schedule.apply_fragment(t)
-                if applied is not None:
-                    host["apply_fragment"] = applied
-                    host["islands_reset"] = int(np.sum(m["reset_island"]))
-            self._host = host
-        return self._host
+    @property
+    def deferred(self) -> bool:
+        return self.plan.deferred
 
-    def __getitem__(self, key: str):
-        return self._fetch()[key]
+    def _place(self, batch: PyTree) -> PyTree:
+        return mesh_lib.place(batch, self.plan.mesh, mesh_lib.ISLANDS)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fetch())
+    def __call__(self, state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, StepMetrics]:
+        check_batch(batch, self.plan.num_islands)
+        state, device_metrics = self._step(self._place(batch), state)
+        return state, StepMetrics(device_metrics, self.schedule, exchange_delay=int(self.deferred))
 
-    def __len__(self) -> int:
-        return len(self._fetch())
+    def outer_model(self, state: DiLoCoState) -> eqx.Module:
+        """The outer model with every sync up to state.step applied (with the deferred
+        exchange, a sync at the last step is folded in here; the state is not changed)."""
+        return self._settle(state) if self.deferred else state.outer
 
-    def __repr__(self) -> str:
-        return f"StepMetrics({self._fetch()})"
+    def lower(self, state: DiLoCoState, batch: PyTree) -> jax.stages.Lowered:
+        return self._step.lower(self._place(batch), state).lowered
+
+    def jaxpr(self, state: DiLoCoState, batch: PyTree) -> jax.extend.core.ClosedJaxpr:
+        return eqx.filter_make_jaxpr(partial(run_step, self.plan))(self._place(batch), state)[0]
 
 
 def make_train_step(
@@ -124,19 +384,18 @@ def make_train_step(
     inner_optimizer: optax.GradientTransformation,
     mesh: Mesh | None = None,
     *,
+    outer_optimizer: optax.GradientTransformation | None = None,
     layers: Callable[[Any], Any] = default_layers,
     deferred: bool | None = None,
-) -> Callable[[DiLoCoState, PyTree], tuple[DiLoCoState, StepMetrics]]:
-    """The global step `(state, batch) -> (state, metrics)`; the state is donated.
+) -> TrainStep:
+    """The global step for `cfg`: `train_step(state, batch) -> (state, metrics)`.
 
     `batch` leaves have a leading axis of GBS rows; island k gets rows [k·GBS/K, (k+1)·GBS/K).
-    `loss_fn(model, island_batch)` returns a scalar. `layers` points at the layer stack.
-
-    `deferred` (default: on exactly when streaming with V >= 1): the sync at step t only
-    stashes each island's pseudo-gradient; the exchange and outer step run in step t+1,
-    independent of its inner step, so the collective can overlap that step's compute. The
-    numbers are those of the direct form. `train_step.outer_model(state)` gives the outer
-    model with any pending sync folded in.
+    `loss_fn(model, island_batch)` returns a scalar. `outer_optimizer` is any optax
+    transformation (default: Nesterov SGD from `outer_lr`/`outer_momentum`; give
+    `init_state` the same one). `layers` points at the layer stack (streaming).
+    `deferred` (default: on exactly when streaming with V >= 1) runs each exchange in the
+    step after its sync, off the inner step's critical path; the numbers do not change.
     """
     if deferred is None:
         deferred = cfg.streaming and cfg.overlap_steps >= 1
@@ -145,301 +404,6 @@ def make_train_step(
             "deferred=True needs streaming=True and overlap_steps (V) >= 1: with V = 0 the "
             "outer fragment is applied in the same step it is synced"
         )
-    schedule = Schedule.from_config(cfg)
-    islands.check_divides(cfg.num_replicas, mesh)
-    outer_tx = outer_optimizer(cfg)
-    alpha = float(cfg.alpha) if cfg.streaming else 0.0
-    k = cfg.num_replicas
-    fmt = cfg.compression
-
-    def params(tree):
-        return eqx.filter(tree, eqx.is_inexact_array)
-
-    def run(state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, dict[str, Array]]:
-        frags = Fragmentation.from_model(state.outer_model, cfg, layers)
-        inner_arrays, inner_static = eqx.partition(state.inner_model, eqx.is_array)
-        island_step = inner_step(loss_fn, inner_optimizer, inner_static)
-        local_k = k // islands.axis_size(mesh)
-
-        def switch(f, make_branch, *operands):
-            branches = [make_branch(i) for i in range(schedule.num_fragments)]
-            if len(branches) == 1:
-                return branches[0](*operands)
-            return lax.switch(f, branches, *operands)
-
-        def local_deltas(f, inner, outer):
-            """Each island's pseudo-gradient of fragment f (no communication)."""
-            outer_f = frags.take(params(outer), f)
-            return jax.vmap(lambda m: pseudo_gradient(outer_f, frags.take(params(m), f)))(inner)
-
-        def reduce_and_step(f, t_sync, deltas, outer, outer_opt, residual):
-            """The exchange and outer step of fragment f for the sync at step t_sync."""
-            outer_f = frags.take(params(outer), f)
-            ok = exchange.contributes(cfg, t_sync, deltas, mesh)
-            res_f = None if residual is None else jax.vmap(lambda r: frags.take(r, f))(residual)
-            delta, count, res_f, per_island = exchange.mean_pseudo_gradient(
-                cfg, deltas, ok, res_f, outer_f, mesh
-            )
-            if residual is not None:
-                residual = jax.vmap(lambda r, e: frags.put(r, f, e))(residual, res_f)
-            opt_f = frags.take_state(outer_tx, outer_opt, f)
-            new_f, new_opt_f, update = outer_step(outer_tx, delta, opt_f, outer_f)
-            anyone = count > 0  # nobody reported: the outer fragment and its trace stay
-            new_f = exchange.keep_if(anyone, new_f, outer_f)
-            new_opt_f = exchange.keep_if(anyone, new_opt_f, opt_f)
-            sync_metrics = {
-                "pseudo_grad_norm": tree_norm(delta),
-                "outer_update_norm": jnp.where(anyone, tree_norm(update), 0.0),
-                "islands_contributed": count,
-            }
-            outer = frags.put(outer, f, new_f)
-            outer_opt = frags.put_state(outer_tx, outer_opt, f, new_opt_f)
-            return outer, outer_opt, residual, sync_metrics, per_island
-
-        def no_exchange(outer, outer_opt, residual):
-            zero = jnp.zeros((), jnp.float32)
-            sync_metrics = {"pseudo_grad_norm": zero, "outer_update_norm": zero,
-                            "islands_contributed": jnp.zeros((), jnp.int32)}
-            per_island = {}
-            if fmt != "none":
-                zeros = jnp.zeros((local_k,), jnp.float32)
-                per_island = {"compression_error": islands.island_local(zeros, mesh)}
-            return outer, outer_opt, residual, sync_metrics, per_island
-
-        def at_sync(t, make_branch, otherwise, *operands):
-            """`make_branch(f)(*operands)` for the fragment synced at t, else `otherwise`."""
-            return lax.cond(
-                schedule.is_sync_traced(t),
-                lambda *ops: switch(schedule.fragment_at_traced(t), make_branch, *ops),
-                otherwise,
-                *operands,
-            )
-
-        def direct_sync(t, inner, outer, outer_opt, residual):
-            """Sync at t inside step t: pseudo-gradients, exchange, outer step."""
-
-            def branch(f):
-                def sync(inner, outer, outer_opt, residual):
-                    with jax.named_scope(f"fragment_{f}"):
-                        deltas = local_deltas(f, inner, outer)
-                        return reduce_and_step(f, t, deltas, outer, outer_opt, residual)
-
-                return sync
-
-            skip = lambda inner, *rest: no_exchange(*rest)  # noqa: E731
-            return at_sync(t, branch, skip, inner, outer, outer_opt, residual)
-
-        def deferred_exchange(t_sync, pending, outer, outer_opt, residual):
-            """Exchange and outer step for the sync stashed at t_sync (the previous step);
-            reads only the stash and the outer state, never this step's inner work."""
-
-            def branch(f):
-                def sync(pending, outer, outer_opt, residual):
-                    with jax.named_scope(f"fragment_{f}"):
-                        deltas = jax.vmap(lambda p: frags.take(p, f))(pending)
-                        return reduce_and_step(f, t_sync, deltas, outer, outer_opt, residual)
-
-                return sync
-
-            skip = lambda pending, *rest: no_exchange(*rest)  # noqa: E731
-            return at_sync(t_sync, branch, skip, pending, outer, outer_opt, residual)
-
-        def stash(t, inner, outer, pending):
-            """At a sync step: keep each island's pseudo-gradient for the next step."""
-
-            def branch(f):
-                def keep(inner, outer, pending):
-                    deltas = local_deltas(f, inner, outer)
-                    return jax.vmap(lambda p, d: frags.put(p, f, d))(pending, deltas)
-
-                return keep
-
-            return at_sync(t, branch, lambda inner, outer, pending: pending, inner, outer, pending)
-
-        def apply(t, inner, inner_opt, outer):
-            """Blend the outer fragment f(t−V) into every island; an island whose fragment
-            holds a NaN or Inf is reset instead (the whole outer model, and fresh inner
-            optimizer state for its non-finite leaves). Returns the islands reset."""
-
-            def branch(f):
-                def apply_f(inner, outer):
-                    outer_f = frags.take(params(islands.island_local(outer, mesh)), f)
-                    bad = jax.vmap(lambda m: ~all_finite(frags.take(params(m), f)))(inner)
-                    inner = jax.vmap(
-                        lambda m: frags.put(m, f, blend(frags.take(params(m), f), outer_f, alpha))
-                    )(inner)
-                    return inner, bad
-
-                return apply_f
-
-            def no_apply(inner, outer):
-                return inner, islands.island_local(jnp.zeros((local_k,), bool), mesh)
-
-            inner, bad = lax.cond(
-                schedule.is_apply_traced(t),
-                lambda *ops: switch(schedule.fragment_at_traced(t - schedule.overlap_steps), branch, *ops),
-                no_apply,
-                inner, outer,
-            )
-            inner, inner_opt = lax.cond(
-                jnp.any(bad), reset_islands, lambda b, i, o, _: (i, o), bad, inner, inner_opt,
-                islands.island_local(outer, mesh),
-            )
-            return inner, inner_opt, bad
-
-        def reset_islands(bad, inner, inner_opt, outer):
-            """Islands flagged in `bad` take the outer model (in their own dtypes), and every
-            optimizer-state leaf of theirs that is not finite restarts from `init` on it
-            (finite leaves, such as step counts, are kept so schedules continue)."""
-            fresh = cast_like(params(outer), params(inner))
-            fresh_opt = inner_optimizer.init(fresh)
-
-            def pick(x, new, only_non_finite):
-                if not eqx.is_inexact_array(x):
-                    return x
-                drop = bad
-                if only_non_finite:
-                    drop = drop & ~jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
-                return jnp.where(drop.reshape(-1, *[1] * (x.ndim - 1)), new[None], x)
-
-            new_params = jax.tree.map(lambda x, n: pick(x, n, False), params(inner), fresh)
-            inner = eqx.combine(new_params, eqx.filter(inner, eqx.is_inexact_array, inverse=True))
-            inner_opt = jax.tree.map(lambda x, n: pick(x, n, True), inner_opt, fresh_opt)
-            return inner, inner_opt
-
-        def body(inner, inner_opt, outer, outer_opt, step, island_batches, residual, pending):
-            if deferred:
-                with jax.named_scope("diloco_sync"):
-                    outer, outer_opt, residual, sync_metrics, per_island = deferred_exchange(
-                        step, pending, outer, outer_opt, residual
-                    )
-            with jax.named_scope("inner_step"):
-                inner, inner_opt, losses = jax.vmap(island_step)(inner, inner_opt, island_batches)
-            t = step + 1
-            if deferred:
-                with jax.named_scope("diloco_stash"):
-                    pending = stash(t, inner, outer, pending)
-            # With V >= 1 the apply never reads the fragment synced in the same step, and an
-            # island reset there takes the outer model without that sync (in the deferred
-            # form it is still in flight): both forms apply from the outer before this sync.
-            applied_from = outer
-            if not deferred:
-                with jax.named_scope("diloco_sync"):
-                    outer, outer_opt, residual, sync_metrics, per_island = direct_sync(
-                        t, inner, outer, outer_opt, residual
-                    )
-                if schedule.overlap_steps == 0:
-                    applied_from = outer
-            with jax.named_scope("diloco_apply"):
-                inner, inner_opt, reset = apply(t, inner, inner_opt, applied_from)
-            per_island = {**per_island, "reset_island": reset}
-            return inner, inner_opt, outer, outer_opt, t, residual, pending, losses, sync_metrics, per_island
-
-        R, I = islands.REPLICATED, islands.ISLANDS
-        outer_arrays, outer_static = eqx.partition(state.outer_model, eqx.is_array)
-        if batch is None:  # settle: fold a pending exchange into the outer model, nothing else
-
-            def settle_body(outer, outer_opt, step, residual, pending):
-                outer, *_ = deferred_exchange(step, pending, outer, outer_opt, residual)
-                return outer
-
-            settle = islands.shard_islands(settle_body, mesh, in_specs=(R, R, R, I, I), out_specs=R)
-            outer = settle(outer_arrays, state.outer_opt_state, state.step, state.residual, state.pending)
-            return eqx.combine(outer, outer_static), {}
-
-        sharded_body = islands.shard_islands(
-            body, mesh, in_specs=(I, I, R, R, R, I, I, I), out_specs=(I, I, R, R, R, I, I, I, R, I)
-        )
-        inner, inner_opt, outer, outer_opt, t, residual, pending, losses, sync_metrics, per_island = (
-            sharded_body(
-                inner_arrays,
-                state.inner_opt_state,
-                outer_arrays,
-                state.outer_opt_state,
-                state.step,
-                split_batch(batch, k),
-                state.residual,
-                state.pending if deferred else None,
-            )
-        )
-        new_state = DiLoCoState(
-            inner_model=eqx.combine(inner, inner_static),
-            inner_opt_state=inner_opt,
-            outer_model=eqx.combine(outer, outer_static),
-            outer_opt_state=outer_opt,
-            step=t,
-            residual=residual,
-            pending=pending if deferred else state.pending,
-        )
-        return new_state, {"step": t, "loss_island": losses, **sync_metrics, **per_island}
-
-    # Donate the state, not the caller's batch: filter_jit donates every argument but the
-    # first, so the compiled function takes (batch, state).
-    compiled = eqx.filter_jit(lambda batch, state: run(state, batch), donate="all-except-first")
-
-    settled = eqx.filter_jit(lambda state: run(state, None)[0])
-
-    def train_step(state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, StepMetrics]:
-        check_batch(batch, k)
-        state, device_metrics = compiled(islands.place(batch, mesh, islands.ISLANDS), state)
-        return state, StepMetrics(device_metrics, schedule, exchange_delay=int(deferred))
-
-    def outer_model(state: DiLoCoState) -> eqx.Module:
-        """The outer model with every sync up to state.step applied: with the deferred
-        exchange a sync at the last step is still pending in the state; this folds it in
-        (for evaluation and comparisons) without changing the state."""
-        if not deferred:
-            return state.outer_model
-        return settled(state)
-
-    def lower(state: DiLoCoState, batch: PyTree) -> jax.stages.Lowered:
-        """The step lowered for these arguments: `.compile().as_text()` is its HLO."""
-        return compiled.lower(islands.place(batch, mesh, islands.ISLANDS), state).lowered
-
-    def jaxpr(state: DiLoCoState, batch: PyTree) -> jax.extend.core.ClosedJaxpr:
-        """The step's traced program (for dependency analysis: `critical_path`)."""
-        placed = islands.place(batch, mesh, islands.ISLANDS)
-        return eqx.filter_make_jaxpr(lambda batch, state: run(state, batch))(placed, state)[0]
-
-    train_step.lower = lower
-    train_step.jaxpr = jaxpr
-    train_step.schedule = schedule
-    train_step.outer_model = outer_model
-    train_step.deferred = deferred
-    return train_step
-
-
-def inner_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, static: PyTree):
-    """One island's inner step on its array leaves: `(arrays, opt_state, batch) ->
-    (arrays, opt_state, loss)`; `static` is the model's non-array part."""
-
-    def step(model_arrays, opt_state, island_batch):
-        model = eqx.combine(model_arrays, static)
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, island_batch)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        model = eqx.apply_updates(model, updates)
-        return eqx.filter(model, eqx.is_array), opt_state, loss
-
-    return step
-
-
-def check_batch(batch: PyTree, num_replicas: int) -> int:
-    """GBS of a batch; ValueError unless every leaf has the same GBS, divisible by K."""
-    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(
-            f"every batch leaf needs the same leading global-batch axis; got sizes {sizes}"
-        )
-    gbs = sizes.pop()
-    if gbs % num_replicas:
-        raise ValueError(
-            f"global batch size (GBS)={gbs} must be divisible by num_replicas (K)="
-            f"{num_replicas}: each island takes GBS/K rows"
-        )
-    return gbs
-
-
-def split_batch(batch: PyTree, num_replicas: int) -> PyTree:
-    """(GBS, ...) -> (K, GBS/K, ...): island k takes rows [k·GBS/K, (k+1)·GBS/K)."""
-    return jax.tree.map(lambda x: x.reshape(num_replicas, -1, *x.shape[1:]), batch)
+    mesh_lib.check_divides(cfg.num_replicas, mesh)
+    outer_tx = sync.outer_optimizer(cfg) if outer_optimizer is None else outer_optimizer
+    return TrainStep(Plan(cfg, loss_fn, inner_optimizer, outer_tx, mesh, layers, deferred))

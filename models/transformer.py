@@ -20,13 +20,22 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    vocab_size: int = 256
-    num_layers: int = 4
+    """The model's shape. Field docstrings are the training CLI's help; `flag` metadata
+    names a field's flag where it differs, `cli=False` keeps it off the command line (the
+    vocabulary comes from the tokenizer, the sequence length from the data)."""
+
+    vocab_size: int = dataclasses.field(default=256, metadata={"cli": False})
+    """Tokens in the vocabulary (256: bytes)."""
+    num_layers: int = dataclasses.field(default=4, metadata={"flag": "layers"})
+    """Transformer blocks, stacked along axis 0 of `layers` and run with lax.scan."""
     width: int = 64
-    num_heads: int = 4
-    seq_len: int = 128
+    """Model width d."""
+    num_heads: int = dataclasses.field(default=4, metadata={"flag": "heads"})
+    """Attention heads (must divide the width)."""
+    seq_len: int = dataclasses.field(default=128, metadata={"cli": False})
     """Longest sequence the position embedding covers."""
     mlp_ratio: int = 4
+    """MLP hidden width as a multiple of the model width."""
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "width", "num_heads", "seq_len", "mlp_ratio"):

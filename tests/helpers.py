@@ -1,11 +1,18 @@
-"""Small test helpers."""
+"""Test helpers: the toy runs the step tests share, and settings for subprocesses."""
 
+import dataclasses
 import os
 
-from diloco_eqx.profiling import count_compilations
-from tests.conftest import QUICK_COMPILE
+import numpy as np
 
-__all__ = ["count_compilations", "subprocess_env"]
+import diloco_eqx as dl
+from diloco_eqx.analysis.profiling import count_compilations
+from tests.conftest import QUICK_COMPILE
+from tests.reference import make_toy, np_run, toy_loss, toy_to_numpy
+
+__all__ = ["GBS", "N_LAYERS", "WIDTH", "batches", "count_compilations", "reference_run",
+           "run_jax", "subprocess_env"]
+
 
 
 def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
@@ -13,3 +20,36 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     and `devices` simulated CPU devices if given (else the process asks for its own)."""
     flags = QUICK_COMPILE + (f" --xla_force_host_platform_device_count={devices}" if devices else "")
     return {**os.environ, "XLA_FLAGS": flags, **extra}
+
+
+N_LAYERS, WIDTH, GBS = 4, 3, 8
+
+
+def batches(steps, seed=1):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(GBS, WIDTH)).astype(np.float32) for _ in range(steps)]
+
+
+def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None):
+    """Per-step island losses, and the final state with any pending sync folded into its
+    outer model (the deferred exchange of a sync at the last step happens in the next)."""
+    model = make_toy(N_LAYERS, WIDTH) if model is None else model
+    state = dl.init_state(model, inner, cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred)
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
+    # the settled state: the outer model with every sync folded in, nothing in flight
+    return np.array(losses), dataclasses.replace(state, outer=step.outer_model(state), pending=None)
+
+
+def reference_run(cfg, data, inner_np, **extra):
+    """np_run with the config's knobs, from the same initial toy model as run_jax."""
+    return np_run(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
+        inner=inner_np, streaming=cfg.streaming, p=cfg.num_fragments, order=cfg.fragment_order,
+        v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
+        momentum=cfg.outer_momentum, compression=cfg.compression,
+        error_feedback=cfg.error_feedback, **extra,
+    )

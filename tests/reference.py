@@ -153,6 +153,38 @@ class NpAdamW:
         return {"t": s["t"], "m": fix(s["m"]), "v": fix(s["v"])}
 
 
+@dataclasses.dataclass
+class NpNesterov:
+    """optax.sgd(lr, momentum, nesterov=True): v <- g + βv, p <- p - lr·(g + βv). With
+    `dtype` the trace is stored in it, and β meets the stored trace rounded to it."""
+
+    lr: float
+    momentum: float
+    dtype: object = None
+
+    def init(self, p):
+        return {n: np.zeros_like(v) for n, v in p.items()}
+
+    def step(self, p, g, s):
+        new_trace = {n: g[n] + cast(self.momentum, self.dtype) * s[n] for n in p}
+        new = {n: p[n] - self.lr * (g[n] + self.momentum * new_trace[n]) for n in p}
+        return new, {n: cast(v, self.dtype) for n, v in new_trace.items()}
+
+
+@dataclasses.dataclass
+class NpScheduledSGD:
+    """optax.sgd(schedule): p <- p - schedule(count)·g, count starting at 0."""
+
+    schedule: object
+
+    def init(self, p):
+        return {"count": 0}
+
+    def step(self, p, g, s):
+        lr = self.schedule(s["count"])
+        return {n: p[n] - lr * g[n] for n in p}, {"count": s["count"] + 1}
+
+
 def np_fragment_layers(order: str, n: int, p: int) -> list[list[int]]:
     """Layer indices of fragments 1..P-1, straight from the algorithm's definitions."""
     if order == "interleaved":
@@ -191,11 +223,12 @@ def np_run(
     alpha: float = 0.0,
     outer_lr: float = 0.7,
     momentum: float = 0.9,
-    compression: str = "none",
+    compression="none",
     error_feedback: bool = False,
     dropped=None,
     dtype=None,
     outer_dtype: str = "float32",
+    outer_opt=None,
     log: dict | None = None,
 ):
     """Run the algorithm; returns (per-step island losses, outer params, islands).
@@ -207,13 +240,17 @@ def np_run(
     At an apply, an island whose fragment holds a NaN or Inf is reset: it takes the whole
     outer model and `inner.reset` its optimizer state.
     `dtype` is the islands' storage dtype (None: float64 throughout); the outer model and
-    trace are then float32 (`outer_dtype="float32"`) or `dtype` ("param")."""
+    trace are then float32 (`outer_dtype="float32"`) or `dtype` ("param").
+    `outer_opt` (default: Nesterov SGD from `outer_lr`, `momentum`) steps the outer model;
+    each fragment has its own state, made by `outer_opt.init` on that fragment's part.
+    `compression` is a format name or a function giving what the others receive for a tensor."""
     odt = None if dtype is None else (np.float32 if outer_dtype == "float32" else dtype)
     islands = [{n: cast(a, dtype) for n, a in model0.items()} for _ in range(k)]
     residual = [{n: np.zeros_like(a) for n, a in model0.items()} for _ in range(k)]
     states = [inner.init(isl) for isl in islands]
     outer = {n: cast(a, odt) for n, a in model0.items()}
-    trace = {n: np.zeros_like(a) for n, a in model0.items()}
+    outer_opt = NpNesterov(outer_lr, momentum, odt) if outer_opt is None else outer_opt
+    outer_states = {}  # fragment -> its outer optimizer state
     dh, heff, masks = np_fragments(model0, streaming, h, p, order)
     losses, contributed, resets = [], [], []
     for step_idx, x in enumerate(batches):
@@ -228,21 +265,23 @@ def np_run(
         # with V >= 1 a reset island takes the outer model without this step's sync
         reset_from = {n: o.copy() for n, o in outer.items()} if streaming and v else outer
         if t > 0 and t % dh == 0:  # sync
-            owned = {n: idx for n, idx in masks((t % heff) // dh).items() if idx is not None}
+            f = (t % heff) // dh
+            owned = {n: idx for n, idx in masks(f).items() if idx is not None}
             present = [
                 i for i in range(k)
                 if not (dropped and dropped(t, i))
                 and all(np.all(np.isfinite(outer[n][idx] - islands[i][n][idx])) for n, idx in owned.items())
             ]
             if present:
+                delta = {n: np.mean([_sent(outer[n][idx] - islands[i][n][idx], residual[i][n], idx,
+                                           compression, error_feedback) for i in present], axis=0)
+                         for n, idx in owned.items()}
+                part = {n: outer[n][idx] for n, idx in owned.items()}
+                if f not in outer_states:
+                    outer_states[f] = outer_opt.init(part)
+                new, outer_states[f] = outer_opt.step(part, delta, outer_states[f])
                 for n, idx in owned.items():
-                    sent = [_sent(outer[n][idx] - islands[i][n][idx], residual[i][n], idx,
-                                  compression, error_feedback) for i in present]
-                    delta = np.mean(sent, axis=0)
-                    # β meets the stored trace in the trace's dtype: β is rounded to it
-                    new_trace = delta + cast(momentum, odt) * trace[n][idx]
-                    outer[n][idx] = cast(outer[n][idx] - outer_lr * (delta + momentum * new_trace), odt)
-                    trace[n][idx] = cast(new_trace, odt)
+                    outer[n][idx] = cast(new[n], odt)
             contributed.append((t, len(present)))
         ta = t - (v if streaming else 0)
         if ta > 0 and ta % dh == 0:  # apply
@@ -258,7 +297,7 @@ def np_run(
                     isl[n][idx] = cast(outer[n][idx] if a == 0 else a * isl[n][idx] + (1 - a) * outer[n][idx], dtype)
     if log is not None:
         # (t, islands in the mean) per sync; (t, island) per reset
-        log.update(contributed=contributed, trace=trace, resets=resets)
+        log.update(contributed=contributed, outer_states=outer_states, resets=resets)
     return np.array(losses), outer, islands
 
 
@@ -269,7 +308,7 @@ def _sent(delta, residual_leaf, idx, compression, error_feedback):
         return delta
     if error_feedback:
         delta = delta + residual_leaf[idx]
-    q = np_quantize(delta, compression)
+    q = compression(delta) if callable(compression) else np_quantize(delta, compression)
     if error_feedback:
         residual_leaf[idx] = delta - q
     return q

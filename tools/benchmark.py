@@ -42,12 +42,15 @@ SIZES = (
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from diloco_eqx.config import DiLoCoConfig
+    from diloco_eqx.training.cli import add_flags
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smallest size only, fewer repetitions")
     parser.add_argument("--sizes", nargs="+", choices=[s.name for s in SIZES], default=None)
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per phase")
-    parser.add_argument("--sync-period", type=int, default=100, help="H for DiLoCo and Streaming")
-    parser.add_argument("--num-fragments", type=int, default=5, help="P for Streaming (P-1 | layers)")
+    add_flags(parser, DiLoCoConfig(sync_period=100, streaming=True, num_fragments=5),
+              only=("sync_period", "num_fragments"))
     parser.add_argument("--meshes", nargs="+", choices=["none", "2"], default=None,
                         help="none: islands vmapped on one device; 2: a 2-device diloco axis")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -76,7 +79,8 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
     import optax
 
     import diloco_eqx as dl
-    from diloco_eqx import islands, profiling
+    from diloco_eqx import mesh as islands
+    from diloco_eqx.analysis import profiling
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
     from models.transformer import Transformer, TransformerConfig, count_params, loss_fn
 
@@ -212,10 +216,20 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
                                                          num_heads=size.heads, seq_len=size.seq_len),
                                        jax.random.key(0)),
                            inner, K, sync_period, size)
+    n = checks[first]["params"]
+    islands_per_device = K // (1 if first.endswith("/none") else DEVICES)
+    modes = {  # the stash of the deferred exchange holds every island's |Θ| float32 values
+        "vanilla": ("diloco", 2 * n * 4),
+        "streaming_deferred": ("streaming", 2 * n * 4 + islands_per_device * n * 4),
+    }
     return {
         "compilations": max(c["count"] for c in compilations.values()),
         "memory": {"plain_bytes": plain_mem, "diloco_bytes": diloco_mem,
                    "expected_extra_bytes": checks[first]["expected_extra_bytes"],
+                   "param_bytes": 4 * n,
+                   "modes": {name: {"extra_bytes": memory[f"{first}/{mode}"]["resident_bytes"] - plain_mem,
+                                    "expected_extra_bytes": want}
+                             for name, (mode, want) in modes.items()},
                    "config": first, "all": memory, "bfloat16": low},
         "rows": rows,
         "compile": compilations,
@@ -233,18 +247,25 @@ def _plain(model, loss_fn, inner, k, mesh):
     import jax
     import jax.numpy as jnp
 
-    from diloco_eqx import islands
-    from diloco_eqx.step import inner_step, split_batch
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx import mesh as islands
+    from diloco_eqx.fragments import default_layers
+    from diloco_eqx.metrics import split_batch
+    from diloco_eqx.step import inner_step
 
     arrays, static = eqx.partition(model, eqx.is_array)
     stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)), arrays)
     opt = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)),
                        inner.init(eqx.filter(model, eqx.is_inexact_array)))
     state = islands.place((stacked, opt), mesh, islands.ISLANDS)
-    one = inner_step(loss_fn, inner, static)
+    # the same inner step the DiLoCo step runs (only the loss and the inner optimizer matter)
+    plan = dl.Plan(dl.DiLoCoConfig(num_replicas=k), loss_fn, inner, optax.identity(), mesh,
+                   default_layers, deferred=False)
 
     def body(arrays, opt_state, island_batches):
-        return jax.vmap(one)(arrays, opt_state, island_batches)
+        return inner_step(plan, static, arrays, opt_state, island_batches)
 
     I = islands.ISLANDS
     body = islands.shard_islands(body, mesh, in_specs=(I, I, I), out_specs=(I, I, I))
@@ -267,7 +288,7 @@ def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
     import numpy as np
 
     import diloco_eqx as dl
-    from diloco_eqx import profiling
+    from diloco_eqx.analysis import profiling
     from models.transformer import count_params, loss_fn
 
     model = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)

@@ -16,42 +16,44 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 
 
+ALGORITHM_FLAGS = ("num_replicas", "sync_period", "streaming", "num_fragments", "fragment_order",
+                   "overlap_steps", "alpha", "compression", "error_feedback", "faults")
+
+
+def defaults():
+    """The config this tool reports on unless told otherwise: the training CLI's."""
+    from diloco_eqx.training.config import RunConfig
+
+    return RunConfig()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from diloco_eqx.training.cli import add_flags
+    from diloco_eqx.training.config import DILOCO_FLAGS
+
+    run = defaults()
     p = argparse.ArgumentParser(
         prog="python -m tools.comm_report",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    a = p.add_argument
-    a("--num-replicas", type=int, default=2, help="K (default: 2)")
-    a("--devices", type=int, default=None, help="D, the diloco axis size (default: K)")
-    a("--sync-period", type=int, default=30, help="H (default: 30)")
-    a("--streaming", action=argparse.BooleanOptionalAction, default=True)
-    a("--num-fragments", type=int, default=3, help="P with --streaming (default: 3)")
-    a("--fragment-order", default="interleaved")
-    a("--overlap-steps", type=int, default=0, help="V (default: 0)")
-    a("--alpha", type=float, default=0.0)
-    a("--compression", default="none", help="none | bf16 | fp8 | fp4 (default: none)")
-    a("--error-feedback", action="store_true")
-    a("--layers", type=int, default=4)
-    a("--width", type=int, default=128)
-    a("--heads", type=int, default=4)
-    a("--seq-len", type=int, default=128)
-    a("--global-batch", type=int, default=None, help="GBS (default: 2·K)")
-    a("--json", default=None, help="write the measured figures here")
+    add_flags(p.add_argument_group("algorithm"), run.diloco, DILOCO_FLAGS, only=ALGORITHM_FLAGS)
+    add_flags(p.add_argument_group("model"), run.model)
+    add_flags(p.add_argument_group("data"), run.data, only=("seq_len", "global_batch"))
+    p.add_argument("--devices", type=int, default=None, help="D, the diloco axis size (default: K)")
+    p.add_argument("--json", default=None, help="write the measured figures here")
     return p
 
 
 def use_host_devices(args: argparse.Namespace) -> int:
     """Ask XLA for D = --devices (default K) CPU devices, before jax starts; returns D."""
+    from diloco_eqx.training.multiprocess import use_host_devices as ask
+
     d = args.devices or args.num_replicas
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={d}".strip()
+    ask(d)
     return d
 
 
@@ -59,28 +61,25 @@ def config_from(args: argparse.Namespace):
     """The DiLoCoConfig the flags describe (ValueError naming the knob otherwise)."""
     import jax
 
-    import diloco_eqx as dl
+    from diloco_eqx.training.cli import from_flags
+    from diloco_eqx.training.config import DILOCO_FLAGS
 
     d = args.devices or args.num_replicas
     if len(jax.devices()) < d:
         raise ValueError(f"--devices {d}: only {len(jax.devices())} devices are visible")
-    return dl.DiLoCoConfig(
-        num_replicas=args.num_replicas, sync_period=args.sync_period, streaming=args.streaming,
-        num_fragments=args.num_fragments, fragment_order=args.fragment_order,
-        overlap_steps=args.overlap_steps, alpha=args.alpha, compression=args.compression,
-        error_feedback=args.error_feedback,
-    )
+    return from_flags(defaults().diloco, args, DILOCO_FLAGS)
 
 
 def measure(args: argparse.Namespace) -> dict:
     """Compile the steps and read their collectives; returns the report as a dict."""
     import diloco_eqx as dl
-    from diloco_eqx import comms, compression
+    from diloco_eqx import codecs as compression
+    from diloco_eqx.analysis import comms
 
     k = args.num_replicas
     d = args.devices or k
     cfg = config_from(args)
-    shape = (args.layers, args.width, args.heads, args.seq_len, args.global_batch or 2 * k, d)
+    shape = (args.layers, args.width, args.heads, args.seq_len, args.global_batch, d)
     hlo = _step_hlo(cfg, *shape)
     schedule = dl.Schedule.from_config(cfg)
     frag_params = dl.Fragmentation.from_model(_model(*shape[:4]), cfg).param_counts(

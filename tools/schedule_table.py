@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 from diloco_eqx.schedule import Schedule
 
 
@@ -38,15 +36,15 @@ def format_table(schedule: Schedule, steps: int, all_steps: bool = False) -> str
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sync-period", type=int, required=True, help="H")
-    parser.add_argument("--num-fragments", type=int, default=1, help="P (1: vanilla DiLoCo)")
-    parser.add_argument("--overlap-steps", type=int, default=0, help="V")
+    from diloco_eqx.training.cli import Parser, add_flags, from_flags
+
+    parser = Parser(prog="python -m tools.schedule_table", description=__doc__.splitlines()[0])
+    add_flags(parser, Schedule())
     parser.add_argument("--steps", type=int, default=None, help="steps to show (default H_eff + V + 1)")
     parser.add_argument("--all", action="store_true", help="one row per step, quiet ones too")
     args = parser.parse_args(argv)
     try:
-        schedule = Schedule(args.sync_period, args.num_fragments, args.overlap_steps)
+        schedule = from_flags(Schedule(), args)
     except ValueError as e:
         parser.error(str(e))
     steps = args.steps if args.steps is not None else schedule.period + schedule.overlap_steps + 1

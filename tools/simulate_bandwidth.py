@@ -1,5 +1,5 @@
 """Bandwidth each method needs for a compute utilization, from the event model in
-diloco_eqx/simulator.py; by default the Streaming DiLoCo paper's Table 4 setting.
+diloco_eqx/analysis/simulator.py; by default the Streaming DiLoCo paper's Table 4 setting.
 
     python -m tools.simulate_bandwidth                       # 1B, 24 layers, 0.1 s/step, H=100
     python -m tools.simulate_bandwidth --plot util.png --json table.json
@@ -28,6 +28,9 @@ TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from diloco_eqx.config import DiLoCoConfig
+    from diloco_eqx.training.cli import add_flags
+
     p = argparse.ArgumentParser(prog="python -m tools.simulate_bandwidth", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -36,10 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--layer-params", type=int, nargs="+", default=None,
       help="per-layer parameter counts instead of --params/--layers")
     a("--step-time", type=float, default=0.1, help="seconds of pure compute per step (default: 0.1)")
-    a("--sync-period", type=int, default=100, help="H (default: 100)")
+    add_flags(p, DiLoCoConfig(sync_period=100, streaming=True, overlap_steps=1),
+              only=("sync_period", "fragment_order", "overlap_steps"))
     a("--layers-per-fragment", type=int, default=3, help="streaming fragment size (default: 3)")
-    a("--fragment-order", default="interleaved", help="interleaved | sequential (default: interleaved)")
-    a("--overlap-steps", type=int, default=1, help="V for the overlap rows (default: 1)")
     a("--bits", type=int, default=16, help="bits per value on the wire (default: 16, bf16)")
     a("--low-bits", type=int, default=4, help="bits for the compressed row (default: 4, FP4)")
     a("--latency", type=float, default=0.0, help="seconds per transfer (default: 0)")
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def methods(args) -> list[tuple[str, object]]:
-    from diloco_eqx.simulator import Method
+    from diloco_eqx.analysis.simulator import Method
 
     n_layers = len(args.layer_params) if args.layer_params else args.layers
     if args.layers_per_fragment < 1 or n_layers % args.layers_per_fragment:
@@ -71,7 +73,7 @@ def methods(args) -> list[tuple[str, object]]:
 
 
 def workload(args):
-    from diloco_eqx.simulator import Workload, uniform_layers
+    from diloco_eqx.analysis.simulator import Workload, uniform_layers
 
     layers = tuple(args.layer_params) if args.layer_params else uniform_layers(args.params, args.layers)
     return Workload(layers, args.step_time, num_workers=args.workers)
@@ -84,7 +86,7 @@ def plot(path: str, w, ms, latency: float) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from diloco_eqx.simulator import simulate
+    from diloco_eqx.analysis.simulator import simulate
 
     bws = np.logspace(-1, 3, 81)
     fig, ax = plt.subplots(figsize=(6.4, 4))
@@ -104,7 +106,7 @@ def plot(path: str, w, ms, latency: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from diloco_eqx.simulator import bandwidth_table, simulate
+    from diloco_eqx.analysis.simulator import bandwidth_table, simulate
 
     try:
         w, ms = workload(args), methods(args)

@@ -7,7 +7,7 @@ critical path of the step that runs it.
 
 For every cross-island collective in the traced step: its primitive, its scope, and how
 many equations of the same step's inner step (forward, backward, AdamW) it depends on;
-then whether any inner-step equation depends on a collective. See diloco_eqx/critical_path.py.
+then whether any inner-step equation depends on a collective. See diloco_eqx/analysis/critical_path.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import optax
 
     import diloco_eqx as dl
-    from diloco_eqx import critical_path
+    from diloco_eqx.analysis import critical_path
     from models.transformer import loss_fn
     from tools.comm_report import _model, config_from
 

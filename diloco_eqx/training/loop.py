@@ -22,7 +22,7 @@ import equinox as eqx
 import numpy as np
 from tqdm import tqdm
 
-from diloco_eqx.checkpoint import Checkpointer
+from diloco_eqx.training.checkpoint import Checkpointer
 
 
 class Interrupted(Exception):
@@ -124,6 +124,33 @@ def mean_loss(loss_fn: Callable, model: eqx.Module, batches: list[np.ndarray]) -
     return float(np.mean([float(loss_fn(model, b)) for b in batches]))
 
 
+class _Progress:
+    """Writes each step's metrics row and evaluation, and keeps the progress bar."""
+
+    def __init__(self, cfg: LoopConfig, start_step: int, metrics: JsonlWriter,
+                 describe: Callable[[int], dict[str, Any]], t0: float):
+        self.cfg, self.start, self.metrics, self.describe, self.t0 = cfg, start_step, metrics, describe, t0
+        self.rate: float | None = None
+        self.bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, file=sys.stderr,
+                        dynamic_ncols=True, mininterval=1.0)
+
+    def record(self, m, step_time: float) -> None:
+        row = {**dict(m), **self.describe(m["step"])}
+        row["wall_time"] = time.perf_counter() - self.t0
+        row["step_time"] = step_time
+        self.metrics.write(row)
+        # tokens/s over recent steps; a step that includes compilation is not a rate
+        r = self.cfg.tokens_per_step / max(step_time, 1e-9)
+        self.rate = r if self.rate is None or row["step"] == self.start + 2 else 0.9 * self.rate + 0.1 * r
+        self.bar.update(row["step"] - self.bar.n)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{self.rate:,.0f}",
+                             next_sync=row.get("next_sync", "-"), refresh=False)
+
+    def evaluated(self, t: int, losses: dict[str, float]) -> None:
+        self.metrics.write({"step": t, "eval": True, **losses, "wall_time": time.perf_counter() - self.t0})
+        self.bar.write(f"step {t}: " + "  ".join(f"{k} {v:.4f}" for k, v in losses.items()))
+
+
 def train_loop(
     state: eqx.Module,
     step_fn: Callable,
@@ -148,37 +175,15 @@ def train_loop(
     recorded and checkpointed, raising `Interrupted`.
     """
     t0 = time.perf_counter() - elapsed
-    bar = tqdm(
-        total=cfg.steps, initial=start_step, disable=not cfg.progress, file=sys.stderr,
-        dynamic_ncols=True, mininterval=1.0,
-    )
-    pending, t, rate = None, start_step, None
-
-    def record(m, step_time: float) -> None:
-        nonlocal rate
-        row = {**dict(m), **describe(m["step"])}
-        row["wall_time"] = time.perf_counter() - t0
-        row["step_time"] = step_time
-        metrics.write(row)
-        # tokens/s over recent steps; a step that includes compilation is not a rate
-        r = cfg.tokens_per_step / max(step_time, 1e-9)
-        rate = r if rate is None or row["step"] == start_step + 2 else 0.9 * rate + 0.1 * r
-        bar.update(row["step"] - bar.n)
-        bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{rate:,.0f}",
-                        next_sync=row.get("next_sync", "-"), refresh=False)
-
-    def evaluate_now(t: int) -> None:
-        losses = evaluate(state)
-        metrics.write({"step": t, "eval": True, **losses, "wall_time": time.perf_counter() - t0})
-        bar.write(f"step {t}: " + "  ".join(f"{k} {v:.4f}" for k, v in losses.items()))
-
+    progress = _Progress(cfg, start_step, metrics, describe, t0)
+    pending, t = None, start_step
     try:
         last = time.perf_counter()
         while t < cfg.steps:
             state, m = step_fn(state, next(batches))
             t += 1
             if pending is not None:
-                record(*pending)
+                progress.record(*pending)
             now = time.perf_counter()
             # the loop's period: with step t+1 dispatched before step t is read, this is the
             # device's step time once the pipeline is full
@@ -186,25 +191,19 @@ def train_loop(
             signum = stop()
             eval_due = cfg.eval_every and (t % cfg.eval_every == 0 or t == cfg.steps)
             ckpt_due = checkpointer and (t % cfg.checkpoint_every == 0 or t == cfg.steps or signum)
-            if eval_due or ckpt_due:
-                record(*pending)
+            if eval_due or ckpt_due or signum:
+                progress.record(*pending)
                 pending = None
                 if eval_due:
-                    evaluate_now(t)
+                    progress.evaluated(t, evaluate(state))
                 if ckpt_due:
-                    checkpointer.save(
-                        t,
-                        state,
-                        {"data": batches.get_state(), "elapsed": time.perf_counter() - t0, **extra()},
-                    )
+                    snapshot = {"data": batches.get_state(), "elapsed": time.perf_counter() - t0, **extra()}
+                    checkpointer.save(t, state, snapshot)
                 last = time.perf_counter()
             if signum:
-                if pending is not None:
-                    record(*pending)
                 raise Interrupted(t, signum)
         if pending is not None:
-            record(*pending)
+            progress.record(*pending)
     finally:
-        bar.close()
+        progress.bar.close()
     return state
-

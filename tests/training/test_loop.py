@@ -2,7 +2,7 @@
 
 import json
 
-from diloco_eqx.loop import JsonlWriter, read_jsonl, write_json
+from diloco_eqx.training.loop import JsonlWriter, read_jsonl, write_json
 
 
 def test_resume_drops_lines_past_the_checkpoint(tmp_path):

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tools import plot_runs
+from diloco_eqx.training import plots as plot_runs
+from tools import plot_runs as plot_runs_cli
 
 
 def fake_run(path, mode, losses):
@@ -29,7 +30,7 @@ def test_plots_several_runs(tmp_path):
 
 def test_missing_metrics_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        plot_runs.main([str(tmp_path)])
+        plot_runs_cli.main([str(tmp_path)])
     assert "has no metrics.jsonl" in capsys.readouterr().err
 
 
@@ -53,9 +54,9 @@ def test_default_out_is_beside_the_runs_not_the_working_directory(tmp_path, monk
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    plot_runs.main([str(tmp_path / "a")])
+    plot_runs_cli.main([str(tmp_path / "a")])
     assert (tmp_path / "a" / "loss.png").exists()
-    plot_runs.main([str(tmp_path / "a"), str(tmp_path / "b")])
+    plot_runs_cli.main([str(tmp_path / "a"), str(tmp_path / "b")])
     assert (tmp_path / "compare.png").exists() and not list(elsewhere.iterdir())
 
 

@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from tests.reference import NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
-from tests.test_step import N_LAYERS, WIDTH, batches
+from tests.reference import NpAdamW, NpScheduledSGD, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
+from tests.helpers import N_LAYERS, WIDTH, batches
 
 DTYPES = {"float32": (jnp.float32, None), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
           "float16": (jnp.float16, np.float16)}
@@ -123,3 +123,69 @@ def test_adamw_in_bfloat16_with_compression_stays_finite():
 def test_outer_dtype_knob_is_validated():
     with pytest.raises(ValueError, match=r"outer_dtype must be one of \('float32', 'param'\); got 'bf16'"):
         dl.DiLoCoConfig(outer_dtype="bf16")
+
+
+# ---------------------------------------------------------------- pluggable outer optimizer
+
+OUTER = {
+    "adam": (lambda: optax.adam(0.1), lambda: NpAdamW(0.1, weight_decay=0.0)),
+    "sgd_schedule": (lambda: optax.sgd(optax.linear_schedule(0.9, 0.3, 4)),
+                     lambda: NpScheduledSGD(lambda c: 0.9 + (0.3 - 0.9) * min(c, 4) / 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(OUTER))
+@pytest.mark.parametrize("v", [0, 1])
+def test_any_outer_optimizer_with_one_state_per_fragment(name, v):
+    """Outer Adam and outer SGD with a learning-rate schedule, streaming P=3: each fragment's
+    optimizer state advances only on its own syncs (Adam's count is 3 per fragment after
+    nine syncs, not 9), matching a reference that keeps one state per fragment."""
+    make_jax, make_np = OUTER[name]
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+                          overlap_steps=v, alpha=0.5)
+    inner = optax.sgd(0.05)
+    data = batches(18)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, outer_optimizer=make_jax())
+    step = dl.make_train_step(cfg, toy_loss, inner, outer_optimizer=make_jax())
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m["loss_island_0"], m["loss_island_1"]])
+    log = {}
+    ref_losses, ref_outer, ref_islands = np_run(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=2, h=6, inner=NpSGD(0.05), streaming=True,
+        p=3, v=v, alpha=0.5, outer_opt=make_np(), log=log)
+    np.testing.assert_allclose(np.array(losses), ref_losses, rtol=2e-5, atol=2e-5)
+    for n, got in toy_to_numpy(step.outer_model(state)).items():
+        np.testing.assert_allclose(got, ref_outer[n], rtol=2e-5, atol=2e-5)
+    counts = [int(optax.tree_utils.tree_get(s, "count")) for s in state.outer_opt_state]
+    counts[0] += v  # with V = 1 fragment 0's sync at t = 18 is still in flight in the state
+    assert counts == [3, 3, 3] == [s.get("t", s.get("count")) for _, s in sorted(log["outer_states"].items())]
+    if name == "sgd_schedule":  # one count shared by every fragment gives other numbers
+        shared = np_run(toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=2, h=6, inner=NpSGD(0.05),
+                        streaming=True, p=3, v=v, alpha=0.5, outer_opt=_SharedCount(make_np()))[1]
+        assert any(not np.allclose(shared[n], ref_outer[n], rtol=1e-4) for n in shared)
+
+
+class _SharedCount:
+    """The mistake per-fragment states avoid: one step count for all fragments."""
+
+    def __init__(self, opt):
+        self.opt, self.count = opt, 0
+
+    def init(self, p):
+        return None
+
+    def step(self, p, g, s):
+        new, state = self.opt.step(p, g, {"count": self.count})
+        self.count = state["count"]
+        return new, None
+
+
+def test_mismatched_outer_optimizer_is_named():
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=2)
+    inner = optax.sgd(0.05)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, outer_optimizer=optax.adam(0.1))
+    step = dl.make_train_step(cfg, toy_loss, inner)  # the default Nesterov SGD
+    with pytest.raises(ValueError, match="give init_state and make_train_step the same outer_optimizer"):
+        step(state, batches(1)[0])

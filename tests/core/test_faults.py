@@ -8,7 +8,7 @@ import pytest
 
 import diloco_eqx as dl
 from tests.reference import NpAdamW, NpSGD, make_toy, toy_loss, toy_to_numpy
-from tests.test_step import N_LAYERS, WIDTH, batches, reference_run
+from tests.helpers import N_LAYERS, WIDTH, batches, reference_run
 
 
 def reference(cfg, data, dropped, log=None):

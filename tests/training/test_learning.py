@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx import data
+from diloco_eqx.training import data
 from models.transformer import Transformer, TransformerConfig, loss_fn
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 
 import diloco_eqx as dl
-from diloco_eqx.checkpoint import Checkpointer, key_from_json, key_to_json
+from diloco_eqx.training.checkpoint import Checkpointer, key_from_json, key_to_json
 from tests.reference import make_toy, toy_loss
 
 CFG = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3)
@@ -33,8 +33,8 @@ def test_round_trip_is_exact_and_keeps_sharding(tmp_path):
     assert np.array_equal(jax.random.key_data(key_from_json(extra["rng"])), jax.random.key_data(key))
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    assert restored.inner_model.embed.sharding.spec == dl.islands.ISLANDS
-    assert int(restored.outer_model.calls) == 7
+    assert restored.inner_model.embed.sharding.spec == dl.mesh.ISLANDS
+    assert int(restored.outer.calls) == 7
 
 
 def test_keeps_the_last_two_and_ignores_unfinished_writes(tmp_path):

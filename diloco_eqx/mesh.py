@@ -1,10 +1,10 @@
-"""The `diloco` mesh axis: where islands live and how they talk.
+"""The `diloco` mesh axis: where islands live, and the island operations the step uses.
 
 K islands are laid out along a 1-D mesh axis named "diloco" of size D; each device slice
-holds K/D islands and runs them with `eqx.filter_vmap`. The one cross-island collective is
-`mean_over_islands`: a local mean over the K/D islands on a slice, then `lax.pmean` over
-the axis (or, for compressed pseudo-gradients, `gather_islands`: an all-gather of the
-packed payloads, decoded and averaged in float32 on every slice). With `mesh=None` every island lives on one device and no collective exists.
+holds K/D islands and maps over them (`map_islands`). What crosses islands goes through
+`sum_over_islands` (a local sum over a slice's islands, then `lax.psum` over the axis) or
+`gather_islands` (an all-gather of packed payloads, decoded and averaged in float32 on every
+slice). With `mesh=None` every island lives on one device and no collective exists.
 """
 
 from __future__ import annotations
@@ -72,6 +72,12 @@ def shard_islands(
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
+def map_islands(fn: Callable, *trees: PyTree) -> PyTree:
+    """`fn` on each of this device's islands (the leading axis of every array leaf of
+    arrays-only trees)."""
+    return jax.vmap(fn)(*trees)
+
+
 def mean_over_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
     """Mean over the leading island axis of every leaf, across all K islands."""
 
@@ -133,7 +139,7 @@ def to_host(tree: PyTree) -> PyTree:
 
 def place(tree: PyTree, mesh: Mesh | None, spec: P) -> PyTree:
     """Lay the array leaves of `tree` out on `mesh` with partition spec `spec`."""
-    if mesh is None:
+    if mesh is None or spec is None:
         return tree
     sharding = NamedSharding(mesh, spec)
     return jax.tree.map(lambda x: jax.device_put(x, sharding) if eqx.is_array(x) else x, tree)

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx import comms
+from diloco_eqx.analysis import comms
 from diloco_eqx.ddp import init_ddp_state, make_ddp_step
 from tests.reference import make_toy, toy_loss
 

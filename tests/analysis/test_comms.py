@@ -2,7 +2,7 @@
 
 import pytest
 
-from diloco_eqx import comms
+from diloco_eqx.analysis import comms
 
 HLO = """HloModule m
 

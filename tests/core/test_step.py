@@ -9,40 +9,8 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from tests.helpers import count_compilations
+from tests.helpers import N_LAYERS, WIDTH, batches, count_compilations, reference_run, run_jax
 from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
-
-N_LAYERS, WIDTH, GBS = 4, 3, 8
-
-
-def batches(steps, seed=1):
-    rng = np.random.default_rng(seed)
-    return [rng.normal(size=(GBS, WIDTH)).astype(np.float32) for _ in range(steps)]
-
-
-def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None):
-    """Per-step island losses, and the final state with any pending sync folded into its
-    outer model (the deferred exchange of a sync at the last step happens in the next)."""
-    model = make_toy(N_LAYERS, WIDTH) if model is None else model
-    state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred)
-    losses = []
-    for x in data:
-        state, m = step(state, x)
-        losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
-    return np.array(losses), eqx.tree_at(lambda s: s.outer_model, state, step.outer_model(state))
-
-
-def reference_run(cfg, data, inner_np, **extra):
-    """np_run with the config's knobs, from the same initial toy model as run_jax."""
-    return np_run(
-        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
-        inner=inner_np, streaming=cfg.streaming, p=cfg.num_fragments, order=cfg.fragment_order,
-        v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
-        momentum=cfg.outer_momentum, compression=cfg.compression,
-        error_feedback=cfg.error_feedback, **extra,
-    )
-
 
 def assert_matches_reference(cfg, inner_jax, inner_np, steps):
     data = batches(steps)
@@ -138,11 +106,11 @@ def test_alpha_one_islands_train_independently_while_outer_moves(deferred):
     model = make_toy(N_LAYERS, WIDTH)
     state = dl.init_state(model, inner, cfg)
     step = dl.make_train_step(cfg, toy_loss, inner, deferred=deferred)
-    outer_before = toy_to_numpy(state.outer_model)
+    outer_before = toy_to_numpy(state.outer)
     for t, x in enumerate(data, start=1):
-        prev = toy_to_numpy(state.outer_model)
+        prev = toy_to_numpy(state.outer)
         state, m = step(state, x)
-        now = toy_to_numpy(state.outer_model)
+        now = toy_to_numpy(state.outer)
         moved = {n for n in now if not np.array_equal(now[n], prev[n])}
         f = dl.Schedule.from_config(cfg).sync_fragment(t - int(deferred))
         if f is None:
@@ -150,7 +118,7 @@ def test_alpha_one_islands_train_independently_while_outer_moves(deferred):
         else:
             expected = {"embed", "head"} if f == 0 else {"w", "b"}
             assert moved == expected, (t, f, moved)
-    assert not np.allclose(toy_to_numpy(state.outer_model)["embed"], outer_before["embed"])
+    assert not np.allclose(toy_to_numpy(state.outer)["embed"], outer_before["embed"])
     for i in range(2):
         params = model
         for x in data:
@@ -279,3 +247,22 @@ def test_vanilla_trains_any_equinox_model(kind):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(eqx.filter(step.outer_model(state), eqx.is_inexact_array)), outer):
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
+
+
+def test_stale_outer_reads_are_refused():
+    """With V >= 1 the exchange of a sync at the last step is still in flight: the stored
+    outer model misses it, so state.outer_model refuses and names the accessor that folds
+    it in; train_step.outer_model(state) differs from the stored value right after a sync."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=4, streaming=True, num_fragments=2, overlap_steps=1)
+    inner = optax.sgd(0.05)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    for x in batches(2):  # t = 2 is a sync step (Δh = 2): its exchange runs at t = 3
+        state, _ = step(state, x)
+    with pytest.raises(RuntimeError, match=r"use train_step.outer_model\(state\)"):
+        state.outer_model
+    folded, stored = toy_to_numpy(step.outer_model(state)), toy_to_numpy(state.outer)
+    assert any(not np.array_equal(folded[n], stored[n]) for n in folded)
+    direct = dl.DiLoCoConfig(num_replicas=2, sync_period=4)
+    vanilla = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, direct)
+    assert vanilla.outer_model is vanilla.outer  # nothing can be in flight

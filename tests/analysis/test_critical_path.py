@@ -6,9 +6,9 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx import critical_path
+from diloco_eqx.analysis import critical_path
 from tests.reference import make_toy, toy_loss, toy_to_numpy
-from tests.test_step import N_LAYERS, WIDTH, batches, run_jax
+from tests.helpers import N_LAYERS, WIDTH, batches, run_jax
 
 
 @pytest.mark.parametrize("v", [1, 2, 5])

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from diloco_eqx import data
+from diloco_eqx.training import data
 
 
 def test_byte_tokenizer_round_trip():

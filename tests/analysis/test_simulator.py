@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from diloco_eqx.simulator import (Method, Workload, bandwidth_table, required_bandwidth,
+from diloco_eqx.analysis.simulator import (Method, Workload, bandwidth_table, required_bandwidth,
                                   simulate, uniform_layers)
 
 T = 0.1  # seconds per step

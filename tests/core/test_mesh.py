@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx import comms
+from diloco_eqx.analysis import comms
 from tests.reference import make_toy, toy_loss, toy_to_numpy
 
 CFG = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3,
@@ -33,13 +33,13 @@ def test_same_numbers_for_every_axis_size(cfg):
     for d in (2, 4):
         losses, state = run(cfg, dl.make_mesh(d), 20)
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        for name, x in toy_to_numpy(state.outer_model).items():
-            np.testing.assert_allclose(x, toy_to_numpy(ref.outer_model)[name], rtol=1e-5, atol=1e-6)
+        for name, x in toy_to_numpy(state.outer).items():
+            np.testing.assert_allclose(x, toy_to_numpy(ref.outer)[name], rtol=1e-5, atol=1e-6)
         for i in range(4):
             for name, x in toy_to_numpy(state.island(i)).items():
                 np.testing.assert_allclose(x, toy_to_numpy(ref.island(i))[name], rtol=1e-5, atol=1e-6)
         # each island lives on its own slice of the axis
-        assert state.inner_model.embed.sharding.spec == dl.islands.ISLANDS
+        assert state.inner_model.embed.sharding.spec == dl.mesh.ISLANDS
 
 
 def compiled_hlo(cfg, mesh):

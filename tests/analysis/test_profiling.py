@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diloco_eqx import profiling
+from diloco_eqx.analysis import profiling
 
 
 def test_counts_each_new_shape_once():

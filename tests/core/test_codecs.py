@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx import compression as C
+from diloco_eqx import codecs as C
 from tests.reference import NpSGD, make_toy, np_quantize, toy_loss, toy_to_numpy
-from tests.test_step import N_LAYERS, WIDTH, batches, reference_run, run_jax
+from tests.helpers import N_LAYERS, WIDTH, batches, reference_run, run_jax
 
 FORMATS = ["bf16", "fp8", "fp4"]
 

@@ -1,0 +1,173 @@
+"""What a sync computes: pseudo-gradients, their mean over the contributing islands, the
+outer step, and the blend an apply uses; plus the dtype policy that keeps the outer side in
+float32 whatever the islands train in.
+
+The mean is over the islands the fault model lets through. Uncompressed pseudo-gradients
+are summed with one float32 all-reduce; compressed ones cross as an all-gather of the
+codec's integer payloads and are decoded and averaged in float32. Besides the
+pseudo-gradients a sync moves a few control values (the count of contributing islands, or
+with compression their mask), never in a payload dtype.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jaxtyping import Array, Bool, Float, Int, PyTree
+
+from diloco_eqx import codecs, mesh as mesh_lib
+from diloco_eqx.config import DiLoCoConfig
+
+
+def outer_optimizer(cfg: DiLoCoConfig) -> optax.GradientTransformation:
+    """The default outer optimizer, optax.sgd(η_outer, momentum=β, nesterov=True):
+    v <- Δ + βv, θ <- θ - η(Δ + βv)."""
+    return optax.sgd(cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+
+
+class SyncMetrics(eqx.Module):
+    """Diagnostics of one exchange; `zeros` gives the same structure for steps without one,
+    so both branches of the schedule's conditional agree."""
+
+    pseudo_grad_norm: Float[Array, ""]
+    """Norm of the mean pseudo-gradient."""
+    outer_update_norm: Float[Array, ""]
+    islands_contributed: Int[Array, ""]
+    compression_error: Float[Array, " k"] | None
+    """Per island on this device: ‖decoded − sent‖ / ‖sent‖ (None without compression)."""
+
+    @classmethod
+    def zeros(cls, local_islands: int, compressed: bool, mesh: Mesh | None) -> SyncMetrics:
+        zero = jnp.zeros((), jnp.float32)
+        err = None
+        if compressed:
+            err = mesh_lib.island_local(jnp.zeros((local_islands,), jnp.float32), mesh)
+        return cls(zero, zero, jnp.zeros((), jnp.int32), err)
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+def wide(dtype) -> jnp.dtype:
+    """The dtype outer arithmetic runs in: at least float32 (bf16/f16 -> f32; f64 stays)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def to_outer_dtype(tree: PyTree, policy: str) -> PyTree:
+    """`tree` with its floating-point leaves in the outer storage dtype of `policy`
+    ("float32": widened to at least float32; "param": unchanged)."""
+    if policy == "param":
+        return tree
+    return jax.tree.map(lambda x: x.astype(wide(x.dtype)) if eqx.is_inexact_array(x) else x, tree)
+
+
+def cast_like(tree: PyTree, like: PyTree) -> PyTree:
+    """Each array leaf of `tree` cast to the dtype of the matching leaf of `like`."""
+    return jax.tree.map(lambda x, y: x if x is None else jnp.asarray(x).astype(y.dtype), tree, like)
+
+
+# ---------------------------------------------------------------- the outer side
+
+
+def pseudo_gradient(outer: PyTree, inner: PyTree) -> PyTree:
+    """Δ_k = θ_outer − θ_k (outer minus inner: a descent direction), in at least float32."""
+
+    def delta(o, i):
+        dtype = wide(jnp.promote_types(o.dtype, i.dtype))
+        return o.astype(dtype) - i.astype(dtype)
+
+    return jax.tree.map(delta, outer, inner)
+
+
+def outer_step(
+    optimizer: optax.GradientTransformation, delta: PyTree, opt_state: PyTree, outer: PyTree
+) -> tuple[PyTree, PyTree, PyTree]:
+    """One outer step on the mean pseudo-gradient: (new outer, new state, update). The new
+    outer model and state keep the dtypes they are stored in."""
+    updates, new_state = optimizer.update(delta, opt_state, outer)
+    return optax.apply_updates(outer, updates), cast_like(new_state, opt_state), updates
+
+
+def blend(inner: PyTree, outer: PyTree, alpha: float) -> PyTree:
+    """α·inner + (1−α)·outer in at least float32, cast to each inner leaf's dtype;
+    α = 0 is plain replacement and α = 1 keeps `inner`, with no arithmetic."""
+    if alpha == 1.0:
+        return inner
+    if alpha == 0.0:
+        return cast_like(outer, inner)
+
+    def mix(i, o):
+        dtype = wide(jnp.promote_types(i.dtype, o.dtype))
+        return (alpha * i.astype(dtype) + (1.0 - alpha) * o.astype(dtype)).astype(i.dtype)
+
+    return jax.tree.map(mix, inner, outer)
+
+
+def all_finite(tree: PyTree) -> Bool[Array, ""]:
+    """Whether every value of every leaf is finite (True for a tree with no leaves)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.ones((), bool)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def tree_norm(tree: PyTree) -> Float[Array, ""]:
+    """Global L2 norm of a tree (0 for a tree with no leaves)."""
+    if not jax.tree.leaves(tree):
+        return jnp.zeros((), jnp.float32)
+    return optax.tree.norm(tree).astype(jnp.float32)
+
+
+def keep_if(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
+    """`new` where cond holds, else `old` (leaf by leaf; None leaves pass through)."""
+    return jax.tree.map(lambda a, b: lax.select(cond, a, b), new, old)
+
+
+# ---------------------------------------------------------------- the exchange
+
+
+def mean_pseudo_gradient(
+    codec: codecs.AbstractCodec,
+    deltas: PyTree,
+    ok: Bool[Array, " k_local"],
+    residual: PyTree | None,
+    like: PyTree,
+    num_replicas: int,
+    mesh: Mesh | None,
+) -> tuple[PyTree, Int[Array, ""], PyTree | None, Float[Array, " k_local"] | None]:
+    """(mean over contributing islands, their number, new residual, per-island relative
+    coding error). `deltas`/`residual` have a leading axis over this device's islands;
+    `like` is one island's fragment (the shapes to decode into). Islands that do not
+    contribute send zeros and keep their residual."""
+    if codec.lossless:
+        total = mesh_lib.sum_over_islands(jax.tree.map(lambda x: _per_island(ok, x, 0.0), deltas), mesh)
+        count = mesh_lib.sum_over_islands(ok.astype(jnp.int32), mesh)
+        return _divide(total, count), count, residual, None
+
+    sent = deltas if residual is None else jax.tree.map(jnp.add, deltas, residual)
+    sent = jax.tree.map(lambda x: _per_island(ok, x, 0.0), sent)
+    payload = jax.vmap(lambda d: codecs.tree_encode(codec, d))(sent)
+    every_ok = mesh_lib.gather_islands(ok, mesh)
+    decoded = jax.vmap(lambda p: codecs.tree_decode(codec, p, like))(mesh_lib.gather_islands(payload, mesh))
+    # what the others received from this device's islands: their rows of the decoded set
+    ids = mesh_lib.island_ids(num_replicas, mesh)
+    err = jax.tree.map(lambda s, d: s - d[ids], sent, decoded)
+    if residual is not None:
+        residual = jax.tree.map(lambda e, r: _per_island(ok, e, r), err, residual)
+    rel_err = jax.vmap(lambda e, s: tree_norm(e) / tree_norm(s))(err, sent)
+    total = jax.tree.map(lambda x: jnp.sum(_per_island(every_ok, x, 0.0), axis=0), decoded)
+    count = jnp.sum(every_ok.astype(jnp.int32))
+    return _divide(total, count), count, residual, jnp.nan_to_num(rel_err)
+
+
+def _per_island(mask: Bool[Array, " k"], x: Array, other) -> Array:
+    """x where its island's mask entry holds, else `other` (NaN·0 would stay NaN)."""
+    return jnp.where(mask.reshape(-1, *[1] * (x.ndim - 1)), x, other)
+
+
+def _divide(total: PyTree, count: Int[Array, ""]) -> PyTree:
+    return jax.tree.map(lambda x: x / jnp.maximum(count, 1).astype(x.dtype), total)

@@ -1,0 +1,154 @@
+"""RunConfig: everything that defines a training run, as nested dataclasses.
+
+Each knob is declared once, here or in the algorithm's `DiLoCoConfig` and the model's
+`TransformerConfig`, with its docstring beside it; `training.cli` derives the command line
+from these fields (field metadata: `flag` to name a flag differently, `cli=False` to keep a
+field off it, `parse` to read its string values). `RunConfig.flat()` is the run's settings
+as one flat dict keyed like the flags, which `run.json` records and `--resume` compares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from diloco_eqx.config import DiLoCoConfig
+from models.transformer import TransformerConfig
+
+MODES = ("diloco", "ddp")
+RESUMABLE = ("resume", "progress", "out", "coordinator", "num_processes", "process_id",
+             "heartbeat_timeout", "devices", "checkpoint_every")
+"""Settings a --resume may change: none of them changes a number the run computes (the
+islands' layout over devices and processes, where checkpoints fall, what is printed)."""
+
+
+def _parse_drop(item: str) -> tuple[int, int]:
+    if not re.fullmatch(r"\d+:\d+", item):
+        raise ValueError(f"--drops takes STEP:ISLAND pairs of integers (e.g. 30:1); got {item!r}")
+    step, island = item.split(":")
+    return int(step), int(island)
+
+
+# the algorithm's knobs whose CLI spelling needs a word: how to read them from strings
+DILOCO_FLAGS: dict[str, dict[str, Any]] = {
+    "drops": {"parse": _parse_drop, "metavar": "STEP:ISLAND", "show": lambda v: [f"{s}:{i}" for s, i in v]},
+    "drop_prob": {"parse": float, "join": lambda v: v[0] if len(v) == 1 else tuple(v),
+                  "show": lambda v: list(v) if isinstance(v, tuple) else [v]},
+    "fragment_order": {"parse": str},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """The inner optimizer: AdamW (β2 = 0.95) with linear warmup and cosine decay to 10%."""
+
+    lr: float = 3e-3
+    """Peak inner learning rate."""
+    warmup: int = 50
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of AdamW."""
+    grad_clip: float = 1.0
+    """Global-norm gradient clip (0: off)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """What the islands train on."""
+
+    corpus: tuple[str, ...] = ("stdlib",)
+    """stdlib (the running Python's standard library sources) | markov [num_bytes=N
+    branching=B seed=S doc_bytes=D] | files, directories or globs."""
+    seq_len: int = 128
+    """Tokens (bytes) per sequence."""
+    global_batch: int = 16
+    """GBS: sequences per step over all islands (divisible by K)."""
+    non_iid: bool = False
+    """Each island trains only on its own contiguous block of files."""
+    eval_batches: int = 8
+    """Held-out batches of GBS windows per evaluation."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run: the algorithm, the model, the inner optimizer, the data, and how
+    the run is driven."""
+
+    mode: str = dataclasses.field(default="diloco", metadata={"choices": MODES})
+    """diloco: DiLoCo / Streaming DiLoCo; ddp: gradients averaged every step (the baseline)."""
+    diloco: DiLoCoConfig = dataclasses.field(
+        default_factory=lambda: DiLoCoConfig(sync_period=30, streaming=True, num_fragments=3),
+        metadata={"fields": DILOCO_FLAGS})
+    model: TransformerConfig = dataclasses.field(default_factory=lambda: TransformerConfig(width=128))
+    optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    steps: int = 600
+    """Train until the global step reaches this."""
+    seed: int = 0
+    """Seed of the model's initialisation and the data order."""
+    out: str = "runs/default"
+    """Run directory."""
+    resume: bool = False
+    """Continue the run in --out from its latest checkpoint."""
+    checkpoint_every: int = 100
+    """Steps between checkpoints (one is also written at the end)."""
+    eval_every: int = 100
+    """Steps between held-out evaluations (0: only at the end)."""
+    eval_island: bool = False
+    """Also evaluate island 0."""
+    devices: int | None = None
+    """Simulated host devices on the diloco axis (default: none, islands vmapped on one device)."""
+    progress: bool = True
+    """Show a progress bar."""
+    coordinator: str | None = dataclasses.field(default=None, metadata={"metavar": "HOST:PORT"})
+    """Multi-process: address of process 0's coordination service; turns multi-process on
+    (default: $JAX_COORDINATOR_ADDRESS)."""
+    num_processes: int = 1
+    """Multi-process: processes in the run (default: $JAX_NUM_PROCESSES or 1)."""
+    process_id: int = 0
+    """Multi-process: this process's index, 0..N-1 (default: $JAX_PROCESS_ID or 0)."""
+    heartbeat_timeout: int = 30
+    """Multi-process: seconds without a peer's heartbeat before the run stops with an error."""
+
+    def flat(self) -> dict[str, Any]:
+        """The settings as one flat dict keyed like the flags (lists for tuples)."""
+        return _flatten(self)
+
+    @property
+    def distributed(self) -> bool:
+        return self.coordinator is not None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data.global_batch * self.data.seq_len
+
+    @property
+    def model_config(self) -> TransformerConfig:
+        """The model's config with the data's sequence length."""
+        return dataclasses.replace(self.model, seq_len=self.data.seq_len)
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    """The flag's dest name: the field's name, or its `flag` metadata."""
+    return field.metadata.get("flag", field.name)
+
+
+def cli_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("cli", True)]
+
+
+def _flatten(obj) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in cli_fields(type(obj)):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flatten(value))
+            continue
+        show = f.metadata.get("show") or DILOCO_FLAGS.get(f.name, {}).get("show")
+        if show and isinstance(obj, DiLoCoConfig):
+            value = show(value)
+        elif f.name == "fragment_order" and not isinstance(value, str):
+            value = getattr(value, "__name__", repr(value))
+        out[flag_name(f)] = list(value) if isinstance(value, tuple) else value
+    return out

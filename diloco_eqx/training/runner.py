@@ -1,0 +1,331 @@
+"""One training run from a RunConfig: checks, data, model, steps, resume, the loop, outputs.
+
+Writes to `out`: run.json (settings, config, versions, corpus; "status" running ->
+finished or interrupted), metrics.jsonl (a line per step and per evaluation),
+checkpoints/ and loss.png. Everything that can be wrong with the input is checked before
+anything is written; only process 0 writes files in multi-process runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import optax
+
+import diloco_eqx as dl
+from diloco_eqx.analysis import comms
+from diloco_eqx.ddp import init_ddp_state, make_ddp_step
+from diloco_eqx.training import data, multiprocess
+from diloco_eqx.training.checkpoint import Checkpointer, key_from_json, key_to_json
+from diloco_eqx.training.config import RESUMABLE, RunConfig
+from diloco_eqx.training.loop import (
+    Interrupted,
+    JsonlWriter,
+    LoopConfig,
+    StopSignals,
+    mean_loss,
+    read_jsonl,
+    train_loop,
+    write_json,
+)
+from diloco_eqx.training.plots import plot_runs
+from models.transformer import Transformer, count_params, loss_fn
+
+
+@dataclasses.dataclass
+class Job:
+    """What a run trains: built and checked before anything is written."""
+
+    cfg: RunConfig
+    mesh: Any
+    corpus: data.Corpus
+    train_ids: Any
+    eval_ids: Any
+    held_out: list
+    train_ds: Any
+    model: eqx.Module
+    state: Any
+    step_fn: Callable
+    fragment_params: list[int]
+    lr: optax.Schedule
+
+    @property
+    def schedule(self) -> dl.Schedule | None:
+        return self.cfg.diloco.schedule if self.cfg.mode == "diloco" else None
+
+
+def printed_warnings(fn, *args):
+    """fn(*args), its warnings printed as one "warning: ..." line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    return result
+
+
+def inner_optimizer(cfg: RunConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW (β2 = 0.95) after an optional global-norm clip; lr warms up, then cosine to 10%."""
+    o = cfg.optim
+    lr = optax.warmup_cosine_decay_schedule(0.0, o.lr, o.warmup, max(cfg.steps, o.warmup + 1),
+                                            end_value=o.lr * 0.1)
+    clip = optax.clip_by_global_norm(o.grad_clip) if o.grad_clip > 0 else optax.identity()
+    return optax.chain(clip, optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=o.weight_decay)), lr
+
+
+def load_corpus(spec: tuple[str, ...]) -> data.Corpus:
+    if spec == ("stdlib",):
+        return data.Corpus.stdlib()
+    if spec[0] == "markov":
+        kw = dict(a.split("=", 1) for a in spec[1:])
+        try:
+            return data.Corpus.markov(**{k: int(v) for k, v in kw.items()})
+        except TypeError as e:
+            raise ValueError(f"--corpus markov takes key=value options num_bytes, branching, "
+                             f"seed, doc_bytes; got {' '.join(spec[1:])}") from e
+    return data.Corpus.from_files(list(spec))
+
+
+def build_mesh(cfg: RunConfig):
+    if cfg.devices and len(jax.local_devices()) < cfg.devices:
+        raise ValueError(f"--devices {cfg.devices}: only {len(jax.local_devices())} devices are "
+                         "visible; jax was started before XLA_FLAGS could ask for more")
+    if cfg.distributed:  # island k lives on process k·N/K
+        return multiprocess.process_mesh(cfg.devices)
+    return dl.make_mesh(cfg.devices) if cfg.devices else None
+
+
+def build(cfg: RunConfig) -> Job:
+    """Data, model, state and step of a run (nothing written yet)."""
+    mesh = build_mesh(cfg)
+    d = cfg.data
+    corpus = printed_warnings(load_corpus, d.corpus)
+    train_ids, eval_ids = corpus.split()
+    rows = multiprocess.process_rows(d.global_batch) if cfg.distributed else None
+    train_ds = data.train_batches(corpus, train_ids, seq_len=d.seq_len, global_batch=d.global_batch,
+                                  num_islands=cfg.diloco.num_replicas, seed=cfg.seed,
+                                  non_iid=d.non_iid, rows=rows)
+    held_out = data.eval_batches(corpus, eval_ids, seq_len=d.seq_len, batch_size=d.global_batch,
+                                 max_batches=d.eval_batches)
+    model = Transformer(cfg.model_config, jax.random.key(cfg.seed))
+    inner, lr = inner_optimizer(cfg)
+    if cfg.mode == "diloco":
+        state = dl.init_state(model, inner, cfg.diloco, mesh)  # checks layers vs fragments
+        step_fn = dl.make_train_step(cfg.diloco, loss_fn, inner, mesh)
+        frags = dl.Fragmentation.from_model(model, cfg.diloco)
+        fragment_params = frags.param_counts(eqx.filter(model, eqx.is_inexact_array))
+    else:
+        state = init_ddp_state(model, inner, mesh)
+        step_fn = make_ddp_step(cfg.diloco.num_replicas, loss_fn, inner, mesh)
+        fragment_params = [count_params(model)]
+    return Job(cfg, mesh, corpus, train_ids, eval_ids, held_out, train_ds, model, state, step_fn,
+               fragment_params, lr)
+
+
+def check_out(cfg: RunConfig, out: Path) -> None:
+    """Refuse to overwrite a run, to resume nothing, or to resume with settings that change
+    the run's numbers."""
+    has_run = (out / "run.json").exists()
+    if has_run and not cfg.resume:
+        raise ValueError(f"--out {out} already holds a run; pass --resume to continue it or "
+                         "choose another --out")
+    if cfg.resume and not has_run:
+        raise ValueError(f"--resume: nothing to resume in {out} (no run.json there); leave out "
+                         "--resume to start a new run")
+    if cfg.resume:
+        import json
+
+        previous = json.loads((out / "run.json").read_text())["settings"]
+        changed = {k: (previous.get(k), v) for k, v in cfg.flat().items()
+                   if previous.get(k) != v and k not in RESUMABLE}
+        if changed:
+            hint = " (--steps sets the length of the learning-rate schedule)" if "steps" in changed else ""
+            raise ValueError(
+                f"--resume with settings that change the numbers of the run in {out}: "
+                + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items()) + hint
+                + "; resume with the run's own settings, or start a new run with another --out")
+
+
+def describe_step(job: Job) -> Callable[[int], dict[str, Any]]:
+    """Per-step fields beside the step's metrics: lr, tokens, bytes sent, next sync."""
+    cfg, schedule = job.cfg, job.schedule
+    wire = dl.codecs.bits_per_value(cfg.diloco.compression if cfg.mode == "diloco" else "none") / 8
+
+    def describe(t: int) -> dict[str, Any]:
+        row = {"lr": float(job.lr(t - 1)), "tokens": t * cfg.tokens_per_step,
+               "comm_bytes_per_island": comms.bytes_sent(t, job.fragment_params, schedule, wire)}
+        if schedule is not None:
+            row["outer_lr"] = cfg.diloco.outer_lr
+            row["next_sync"] = schedule.next_sync(t)
+        return row
+
+    return describe
+
+
+def evaluator(job: Job) -> Callable[[Any], dict[str, float]]:
+    """Held-out loss of the outer model (DDP: its one model), and optionally island 0."""
+    eval_loss = eqx.filter_jit(loss_fn)
+
+    def evaluate(state) -> dict[str, float]:
+        if job.cfg.mode == "ddp":
+            return {"eval_loss": mean_loss(eval_loss, state.model, job.held_out)}
+        losses = {"eval_loss": mean_loss(eval_loss, job.step_fn.outer_model(state), job.held_out)}
+        if job.cfg.eval_island:
+            losses["eval_loss_island_0"] = mean_loss(eval_loss, state.island(0), job.held_out)
+        return losses
+
+    return evaluate
+
+
+def metadata(job: Job, argv: list[str]) -> dict[str, Any]:
+    """run.json's description of the run."""
+    cfg, schedule, corpus = job.cfg, job.schedule, job.corpus
+    diloco = dataclasses.asdict(cfg.diloco) | {"fragment_order": str(cfg.diloco.fragment_order)}
+    return {
+        "settings": cfg.flat(),
+        "status": "running",
+        "diloco_config": diloco,
+        "schedule": None if schedule is None else {
+            "steps_between_syncs": schedule.steps_between_syncs, "period": schedule.period},
+        "model": dataclasses.asdict(cfg.model_config) | {"params": count_params(job.model)},
+        "fragment_params": job.fragment_params,
+        "corpus": corpus.metadata | {"train_documents": len(job.train_ids),
+                                     "eval_documents": len(job.eval_ids),
+                                     "eval_unigram_entropy": corpus.unigram_entropy(job.eval_ids),
+                                     "entropy_rate": corpus.entropy_rate},
+        "tokens_per_step": cfg.tokens_per_step,
+        "versions": _versions(),
+        "machine": {"platform": platform.platform(), "devices": [str(d) for d in jax.devices()]},
+        "command": argv,
+    }
+
+
+def run(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
+    """Run (or resume) one training job; returns the summary written to run.json."""
+    if cfg.devices:
+        multiprocess.use_host_devices(cfg.devices)
+    if cfg.distributed:
+        multiprocess.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
+    out = Path(cfg.out)
+    check_out(cfg, out)
+    job = build(cfg)
+    if cfg.distributed:  # every process has passed the checks before any of them writes
+        multiprocess.sync_processes("diloco_eqx: settings checked")
+    out.mkdir(parents=True, exist_ok=True)
+    checkpointer = Checkpointer(out / "checkpoints")
+    try:
+        return _train(job, out, checkpointer, metadata(job, sys.argv if argv is None else argv))
+    finally:
+        checkpointer.close()
+
+
+def _train(job: Job, out: Path, checkpointer: Checkpointer, meta: dict[str, Any]) -> dict[str, Any]:
+    cfg, primary = job.cfg, jax.process_index() == 0
+    batches = iter(job.train_ds.to_iter_dataset())
+    if cfg.distributed:
+        batches = multiprocess.GlobalBatches(batches, job.mesh, (cfg.data.global_batch, cfg.data.seq_len + 1))
+    state, start, elapsed, key = _restore(job, out, checkpointer, batches)
+    if primary:
+        write_json(out / "run.json", meta)
+    _announce(job, out)
+    writer = JsonlWriter(out / "metrics.jsonl", keep_through=start) if primary else _Discard()
+    signals = StopSignals(across_processes=cfg.distributed)
+    loop_cfg = LoopConfig(steps=cfg.steps, eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
+                          tokens_per_step=cfg.tokens_per_step, progress=cfg.progress and primary)
+    evaluate = evaluator(job)
+    try:
+        with signals:
+            state = train_loop(state, job.step_fn, batches, cfg=loop_cfg, start_step=start, metrics=writer,
+                               evaluate=evaluate, describe=describe_step(job), checkpointer=checkpointer,
+                               extra=lambda: {"rng": key_to_json(key)}, elapsed=elapsed, stop=signals.requested)
+    except Interrupted as e:
+        if primary:
+            write_json(out / "run.json", meta | {"status": "interrupted", "interrupted_at": e.step})
+            _plot(out)
+        raise
+    finally:
+        writer.close()
+    return _finish(job, out, meta, evaluate(state), primary)
+
+
+def _restore(job: Job, out: Path, checkpointer: Checkpointer, batches):
+    """(state, start step, elapsed seconds, RNG key): fresh, or from the latest checkpoint."""
+    state, start, elapsed, key = job.state, 0, 0.0, jax.random.key(job.cfg.seed)
+    if job.cfg.resume and checkpointer.latest_step() is None:
+        print(f"--resume: no checkpoint in {out / 'checkpoints'} yet; starting from step 0", file=sys.stderr)
+    elif job.cfg.resume:
+        start, state, extra = checkpointer.restore(state)
+        batches.set_state(extra["data"])
+        key, elapsed = key_from_json(extra["rng"]), extra["elapsed"]
+        print(f"resumed from {out / 'checkpoints'} at step {start}", file=sys.stderr)
+    return state, start, elapsed, key
+
+
+def _announce(job: Job, out: Path) -> None:
+    cfg, corpus = job.cfg, job.corpus
+    kind = cfg.mode + (" streaming" if cfg.diloco.streaming and cfg.mode == "diloco" else "")
+    print(f"{kind}: {count_params(job.model):,} params, corpus {corpus.name} "
+          f"({corpus.metadata['bytes']:,} bytes, {len(job.train_ids)} train / {len(job.eval_ids)} "
+          f"held-out files), {cfg.tokens_per_step} tokens/step, out {out}"
+          + (f", process {jax.process_index()} of {jax.process_count()}" if cfg.distributed else ""),
+          file=sys.stderr)
+
+
+def _finish(job: Job, out: Path, meta: dict, final: dict[str, float], primary: bool) -> dict[str, Any]:
+    """The summary in run.json ("finished"), the plot, and the closing line."""
+    if not primary:  # process 0 writes the summary, the plot and run.json
+        return dict(final)
+    cfg, corpus = job.cfg, job.corpus
+    steps_rows = [r for r in read_jsonl(out / "metrics.jsonl") if not r.get("eval")]
+    unigram = meta["corpus"]["eval_unigram_entropy"]
+    summary = {
+        **final,
+        "final_train_loss": steps_rows[-1]["loss"] if steps_rows else math.nan,
+        "eval_unigram_entropy": unigram,
+        "entropy_rate": corpus.entropy_rate,
+        "steps": cfg.steps,
+        "tokens": cfg.steps * cfg.tokens_per_step,
+        "wall_time": steps_rows[-1]["wall_time"] if steps_rows else 0.0,
+        "comm_bytes_per_island": describe_step(job)(cfg.steps)["comm_bytes_per_island"],
+    }
+    _plot(out)
+    write_json(out / "run.json", meta | {"status": "finished", "summary": summary})
+    print(f"held-out loss {final['eval_loss']:.4f} nats/byte (unigram entropy of held-out bytes "
+          f"{unigram:.4f}" + (f", source optimum {corpus.entropy_rate:.4f}" if corpus.entropy_rate else "")
+          + f"); wrote {out}", file=sys.stderr)
+    return summary
+
+
+def _plot(out: Path) -> None:
+    plot_runs([out], out / "loss.png")
+
+
+class _Discard:
+    """Stands in for the metrics writer on processes other than 0: process 0 writes every row."""
+
+    def write(self, row) -> None:
+        """Drop the row (process 0 has the same one)."""
+
+    def close(self) -> None:
+        """Nothing to flush."""
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("jax", "jaxlib", "equinox", "optax", "grain", "orbax-checkpoint", "numpy"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
