@@ -1,13 +1,15 @@
 """The Data-Parallel baseline: gradients averaged over all islands every step, one optimizer.
 
-Same islands, same batch split and the same `diloco` axis as DiLoCo, so curves compare at
-equal tokens per step; the difference is that the cross-island mean runs on gradients at
-every step instead of on pseudo-gradients at syncs.
+Same islands, same batch split and the same mesh as DiLoCo, so curves compare at equal
+tokens per step; the difference is that the cross-island mean runs on gradients at every
+step instead of on pseudo-gradients at syncs. The model is replicated over "diloco" and
+"data" and laid out over "fsdp" like DiLoCo's outer model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from functools import partial
 
 import equinox as eqx
 import jax
@@ -16,8 +18,8 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
-from diloco_eqx import mesh as islands
-from diloco_eqx.metrics import StepMetrics, check_batch, split_batch
+from diloco_eqx import mesh as mesh_lib
+from diloco_eqx.metrics import StepMetrics, check_batch
 from diloco_eqx.state import owned_copy
 from diloco_eqx.step import LossFn
 from diloco_eqx.sync import tree_norm
@@ -31,16 +33,83 @@ class DDPState(eqx.Module):
     step: Int[Array, ""]
 
 
+def _layout(state: DDPState, mesh: Mesh | None, param_specs) -> DDPState | None:
+    if mesh is None:
+        return None
+    return mesh_lib.shardings(eqx.filter(state, eqx.is_array), mesh, False,
+                              param_specs or mesh_lib.default_param_specs(mesh))
+
+
 def init_ddp_state(
-    model: eqx.Module, optimizer: optax.GradientTransformation, mesh: Mesh | None = None
+    model: eqx.Module, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
+    param_specs: mesh_lib.ParamSpecs | None = None,
 ) -> DDPState:
     model = owned_copy(model)
-    state = DDPState(
-        model=model,
-        opt_state=optimizer.init(eqx.filter(model, eqx.is_inexact_array)),
-        step=jnp.zeros((), jnp.int32),
-    )
-    return islands.place(state, mesh, islands.REPLICATED)
+    state = DDPState(model, optimizer.init(eqx.filter(model, eqx.is_inexact_array)), jnp.zeros((), jnp.int32))
+    if mesh is None:
+        return state
+    arrays, static = eqx.partition(state, eqx.is_array)
+    return eqx.combine(mesh_lib.place_sharded(arrays, _layout(state, mesh, param_specs)), static)
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPPlan:
+    num_replicas: int
+    loss_fn: LossFn
+    optimizer: optax.GradientTransformation
+    mesh: Mesh | None
+    param_specs: mesh_lib.ParamSpecs | None
+
+
+def ddp_body(plan: DDPPlan, static, arrays, opt_state, step, island_batches):
+    """Each local island's gradient, their mean over all islands, one optimizer update."""
+    model = eqx.combine(arrays, static)
+    # Differentiate a per-device copy: through the replicated model itself, JAX's transpose
+    # would already sum the gradient over the axis (D times too large after the mean below).
+    local = eqx.combine(mesh_lib.island_local(arrays, plan.mesh), static)
+    losses, grads = jax.vmap(lambda b: eqx.filter_value_and_grad(plan.loss_fn)(local, b))(island_batches)
+    grads = mesh_lib.mean_over_islands(grads, plan.mesh)
+    updates, opt_state = plan.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+    model = eqx.apply_updates(model, updates)
+    return eqx.filter(model, eqx.is_array), opt_state, step + 1, losses, tree_norm(grads)
+
+
+def run_ddp_step(plan: DDPPlan, batches: PyTree, state: DDPState):
+    arrays, static = eqx.partition(state.model, eqx.is_array)
+    r, i = mesh_lib.REPLICATED, mesh_lib.ISLANDS
+    body = mesh_lib.shard_islands(partial(ddp_body, plan, static), plan.mesh,
+                                  in_specs=(r, r, r, i), out_specs=(r, r, r, i, r))
+    arrays, opt_state, t, losses, grad_norm = body(arrays, state.opt_state, state.step, batches)
+    new = DDPState(eqx.combine(arrays, static), opt_state, t)
+    layout = _layout(state, plan.mesh, plan.param_specs)
+    if layout is not None:
+        new_arrays, new_static = eqx.partition(new, eqx.is_array)
+        new = eqx.combine(jax.tree.map(jax.lax.with_sharding_constraint, new_arrays, layout), new_static)
+    return new, {"step": t, "loss_island": losses, "grad_norm": grad_norm}
+
+
+class DDPStep:
+    """`(state, batch) -> (state, metrics)`: island k's gradient on rows
+    [k·GBS/K, (k+1)·GBS/K), averaged over the K islands, then one optimizer update."""
+
+    def __init__(self, plan: DDPPlan):
+        self.plan = plan
+        self._step = eqx.filter_jit(partial(run_ddp_step, plan), donate="all-except-first")
+
+    def place_batch(self, batch: PyTree) -> PyTree:
+        check_batch(batch, self.plan.num_replicas)
+        return mesh_lib.place_island_batches(batch, self.plan.num_replicas, self.plan.mesh)
+
+    def __call__(self, state: DDPState, batch: PyTree) -> tuple[DDPState, StepMetrics]:
+        return self.step_placed(state, self.place_batch(batch))
+
+    def step_placed(self, state: DDPState, batches: PyTree) -> tuple[DDPState, StepMetrics]:
+        state, metrics = self._step(batches, state)
+        return state, StepMetrics(metrics)
+
+    def lower(self, state: DDPState, batch: PyTree) -> jax.stages.Lowered:
+        """The step lowered for these arguments: `.compile().as_text()` is its HLO."""
+        return self._step.lower(self.place_batch(batch), state).lowered
 
 
 def make_ddp_step(
@@ -48,47 +117,7 @@ def make_ddp_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
     mesh: Mesh | None = None,
-) -> Callable[[DDPState, PyTree], tuple[DDPState, StepMetrics]]:
-    """`(state, batch) -> (state, metrics)`: island k's gradient on rows
-    [k·GBS/K, (k+1)·GBS/K), averaged over the K islands, then one optimizer update."""
-    islands.check_divides(num_replicas, mesh)
-
-    def run(state: DDPState, batch: PyTree):
-        arrays, static = eqx.partition(state.model, eqx.is_array)
-
-        def body(arrays, opt_state, step, island_batches):
-            model = eqx.combine(arrays, static)
-            # Differentiate a per-device copy: through the replicated model itself, JAX's
-            # transpose would already sum the gradient over the axis (D times too large
-            # after the mean below, and a second all-reduce).
-            local = eqx.combine(islands.island_local(arrays, mesh), static)
-            losses, grads = jax.vmap(
-                lambda b: eqx.filter_value_and_grad(loss_fn)(local, b)
-            )(island_batches)
-            grads = islands.mean_over_islands(grads, mesh)
-            params = eqx.filter(model, eqx.is_inexact_array)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            model = eqx.apply_updates(model, updates)
-            return eqx.filter(model, eqx.is_array), opt_state, step + 1, losses, tree_norm(grads)
-
-        R, I = islands.REPLICATED, islands.ISLANDS
-        body = islands.shard_islands(body, mesh, in_specs=(R, R, R, I), out_specs=(R, R, R, I, R))
-        arrays, opt_state, t, losses, grad_norm = body(
-            arrays, state.opt_state, state.step, split_batch(batch, num_replicas)
-        )
-        new = DDPState(eqx.combine(arrays, static), opt_state, t)
-        return new, {"step": t, "loss_island": losses, "grad_norm": grad_norm}
-
-    compiled = eqx.filter_jit(lambda batch, state: run(state, batch), donate="all-except-first")
-
-    def ddp_step(state: DDPState, batch: PyTree) -> tuple[DDPState, StepMetrics]:
-        check_batch(batch, num_replicas)
-        state, metrics = compiled(islands.place(batch, mesh, islands.ISLANDS), state)
-        return state, StepMetrics(metrics)
-
-    def lower(state: DDPState, batch: PyTree) -> jax.stages.Lowered:
-        """The step lowered for these arguments: `.compile().as_text()` is its HLO."""
-        return compiled.lower(islands.place(batch, mesh, islands.ISLANDS), state).lowered
-
-    ddp_step.lower = lower
-    return ddp_step
+    param_specs: mesh_lib.ParamSpecs | None = None,
+) -> DDPStep:
+    mesh_lib.check_divides(num_replicas, mesh)
+    return DDPStep(DDPPlan(num_replicas, loss_fn, optimizer, mesh, param_specs))

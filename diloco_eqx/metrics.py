@@ -97,8 +97,3 @@ def check_batch(batch: PyTree, num_replicas: int) -> int:
             f"{num_replicas}: each island takes GBS/K rows"
         )
     return gbs
-
-
-def split_batch(batch: PyTree, num_replicas: int) -> PyTree:
-    """(GBS, ...) -> (K, GBS/K, ...): island k takes rows [k·GBS/K, (k+1)·GBS/K)."""
-    return jax.tree.map(lambda x: x.reshape(num_replicas, -1, *x.shape[1:]), batch)

@@ -91,6 +91,7 @@ def init_state(
     layers: Callable[[Any], Any] = default_layers,
     *,
     outer_optimizer: optax.GradientTransformation | None = None,
+    param_specs: mesh_lib.ParamSpecs | None = None,
 ) -> DiLoCoState:
     """Every island starts from `model`; the outer model is `model`; outer state from `init`.
 
@@ -99,7 +100,8 @@ def init_state(
     (default: Nesterov SGD from `outer_lr`, `outer_momentum`) must be the one given to
     `make_train_step`. The state owns copies of `model`'s arrays, so donating it to the
     step leaves `model` intact. `layers` points at the stacked layer module (streaming only;
-    checked against the fragment knobs here).
+    checked against the fragment knobs here). `param_specs` replaces the default layout of
+    leaves inside an island (see `state_shardings`); give `make_train_step` the same.
     """
     mesh_lib.check_divides(cfg.num_replicas, mesh)
     frags = Fragmentation.from_model(model, cfg, layers)
@@ -126,16 +128,34 @@ def init_state(
         residual=zeros() if carries_residual(cfg) else None,
         pending=zeros() if cfg.streaming and cfg.overlap_steps >= 1 else None,
     )
-    return place_state(state, mesh)
+    return place_state(state, mesh, param_specs)
 
 
-def place_state(state: DiLoCoState, mesh: Mesh | None) -> DiLoCoState:
-    """Lay every field out on `mesh` by its partition spec."""
+def state_shardings(state: DiLoCoState, mesh: Mesh | None,
+                    param_specs: mesh_lib.ParamSpecs | None = None) -> DiLoCoState | None:
+    """The NamedSharding of every array leaf: island fields over "diloco" and, inside an
+    island, by `param_specs` (default: `mesh.leaf_spec`, split over "fsdp"); the outer model
+    and its optimizer state by `param_specs` alone (default: `mesh.outer_leaf_spec`, split
+    over "data" and "fsdp"), the same on every island."""
+    if mesh is None:
+        return None
+    specs = param_specs or mesh_lib.default_param_specs(mesh)
+    outer_specs = param_specs or mesh_lib.default_outer_specs(mesh)
+    arrays = eqx.filter(state, eqx.is_array)
+    return DiLoCoState(**{
+        name: mesh_lib.shardings(getattr(arrays, name), mesh, name in DiLoCoState.ON_ISLANDS,
+                                 specs if name in DiLoCoState.ON_ISLANDS else outer_specs)
+        for name in _FIELDS
+    })
+
+
+def place_state(state: DiLoCoState, mesh: Mesh | None,
+                param_specs: mesh_lib.ParamSpecs | None = None) -> DiLoCoState:
+    """Lay every field out on `mesh` (see `state_shardings`)."""
     if mesh is None:
         return state
-    specs = state_specs(state)
-    return DiLoCoState(**{name: mesh_lib.place(getattr(state, name), mesh, getattr(specs, name))
-                          for name in _FIELDS})
+    arrays, static = eqx.partition(state, eqx.is_array)
+    return eqx.combine(mesh_lib.place_sharded(arrays, state_shardings(state, mesh, param_specs)), static)
 
 
 def carries_residual(cfg: DiLoCoConfig) -> bool:

@@ -37,8 +37,8 @@ from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import sync
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
-from diloco_eqx.metrics import StepMetrics, check_batch, split_batch
-from diloco_eqx.state import DiLoCoState, state_specs
+from diloco_eqx.metrics import StepMetrics, check_batch
+from diloco_eqx.state import DiLoCoState, state_shardings, state_specs
 from diloco_eqx.sync import SyncMetrics
 
 LossFn = Callable[[eqx.Module, PyTree], Float[Array, ""]]
@@ -56,6 +56,7 @@ class Plan:
     mesh: Mesh | None
     layers: Callable[[Any], Any]
     deferred: bool
+    param_specs: mesh_lib.ParamSpecs | None = None
     fragments: Fragmentation | None = None
 
     @property
@@ -73,6 +74,16 @@ class Plan:
     @property
     def local_islands(self) -> int:
         return self.cfg.num_replicas // mesh_lib.axis_size(self.mesh)
+
+    def pin_islands(self, tree: PyTree) -> PyTree:
+        """Island leaves (a leading island axis) kept in their layout inside an island."""
+        specs = self.param_specs or mesh_lib.default_param_specs(self.mesh)
+        return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, True, specs))
+
+    def pin_outer(self, tree: PyTree) -> PyTree:
+        """Outer leaves kept in their layout (split over the island's devices)."""
+        specs = self.param_specs or mesh_lib.default_outer_specs(self.mesh)
+        return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, False, specs))
 
     def for_model(self, model: eqx.Module) -> Plan:
         return dataclasses.replace(self, fragments=Fragmentation.from_model(model, self.cfg, self.layers))
@@ -105,14 +116,18 @@ def params(tree: PyTree) -> PyTree:
     return eqx.filter(tree, eqx.is_inexact_array)
 
 
-def on_fragment(predicate, f, branches: Sequence[Callable], otherwise: Callable, *operands):
+def on_fragment(predicate, f, branches: Sequence[Callable], otherwise: Callable, *operands,
+                pin: Callable = lambda out: out):
     """`branches[f](*operands)` when `predicate` holds, else `otherwise(*operands)`: the
-    one shape of every schedule position (a cond around a switch over fragments)."""
+    one shape of every schedule position (a cond around a switch over fragments). `pin`
+    fixes the layout of every branch's outputs on an island mesh, so that the cond's result
+    is never resharded on steps without an event."""
+    branches = [lambda *ops, fn=fn: pin(fn(*ops)) for fn in branches]
 
     def taken(*ops):
         return branches[0](*ops) if len(branches) == 1 else lax.switch(f, branches, *ops)
 
-    return lax.cond(predicate, taken, otherwise, *operands)
+    return lax.cond(predicate, taken, lambda *ops: pin(otherwise(*ops)), *operands)
 
 
 # ---------------------------------------------------------------- the inner step
@@ -188,12 +203,17 @@ def no_exchange(plan: Plan, _, outer, outer_opt, residual):
     return outer, outer_opt, residual, zeros
 
 
+def pin_exchange(plan: Plan, out):
+    outer, outer_opt, residual, report = out
+    return plan.pin_outer(outer), plan.pin_outer(outer_opt), plan.pin_islands(residual), report
+
+
 def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
     """The direct form: the sync of fragment f(t), if t is a sync step."""
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [partial(sync_fragment, plan, f, t) for f in range(p)]
     return on_fragment(s.is_sync(t), s.fragment_at(t), branches, partial(no_exchange, plan),
-                       inner, outer, outer_opt, residual)
+                       inner, outer, outer_opt, residual, pin=partial(pin_exchange, plan))
 
 
 def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual):
@@ -201,14 +221,14 @@ def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual):
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [partial(exchange_stashed, plan, f, t_sync) for f in range(p)]
     return on_fragment(s.is_sync(t_sync), s.fragment_at(t_sync), branches, partial(no_exchange, plan),
-                       pending, outer, outer_opt, residual)
+                       pending, outer, outer_opt, residual, pin=partial(pin_exchange, plan))
 
 
 def stash_stage(plan: Plan, t, inner, outer, pending):
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [partial(stash_fragment, plan, f) for f in range(p)]
     return on_fragment(s.is_sync(t), s.fragment_at(t), branches, lambda i, o, pend: pend,
-                       inner, outer, pending)
+                       inner, outer, pending, pin=plan.pin_islands)
 
 
 # ---------------------------------------------------------------- apply of one fragment
@@ -254,9 +274,11 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer):
     branches = [partial(apply_fragment, plan, f) for f in range(p)]
     none = mesh_lib.island_local(jnp.zeros((plan.local_islands,), bool), plan.mesh)
     inner, bad = on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
-                             lambda i, o: (i, none), inner, outer)
-    inner, inner_opt = lax.cond(jnp.any(bad), partial(reset_islands, plan), lambda b, i, o, _: (i, o),
-                                bad, inner, inner_opt, mesh_lib.island_local(params(outer), plan.mesh))
+                             lambda i, o: (i, none), inner, outer,
+                             pin=lambda out: (plan.pin_islands(out[0]), out[1]))
+    inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
+                                   bad, inner, inner_opt, mesh_lib.island_local(params(outer), plan.mesh),
+                                   pin=plan.pin_islands)
     return inner, inner_opt, bad
 
 
@@ -315,17 +337,24 @@ def check_outer_state(plan: Plan, state: DiLoCoState) -> None:
             "outer_optimizer (and the same config)")
 
 
-def run_step(plan: Plan, batch: PyTree, state: DiLoCoState) -> tuple[DiLoCoState, dict[str, Array]]:
-    """One global step on a placed (GBS, ...) batch; the function `TrainStep` jits."""
+def run_step(plan: Plan, batches: PyTree, state: DiLoCoState) -> tuple[DiLoCoState, dict[str, Array]]:
+    """One global step on placed island-major batches (K, GBS/K, ...); what `TrainStep` jits.
+    The new state keeps the layout of the old one (so the step compiles once)."""
     plan = plan.for_model(state.outer)
     check_outer_state(plan, state)
     arrays, static = eqx.partition(state, eqx.is_array)
-    body = partial(deferred_step if plan.deferred else direct_step, plan, static)
+    step = partial(deferred_step if plan.deferred else direct_step, plan, static)
+    layout = state_shardings(arrays, plan.mesh, plan.param_specs)
+
+    def body(arrays, batches):  # the state keeps its layout in and out of the body
+        new, report = step(mesh_lib.pin(arrays, layout), batches)
+        return mesh_lib.pin(new, layout), report
+
     specs = state_specs(arrays)
     body = mesh_lib.shard_islands(body, plan.mesh, in_specs=(specs, mesh_lib.ISLANDS),
                                   out_specs=(specs, StepReport.specs(not plan.cfg.codec.lossless)))
-    arrays, report = body(arrays, split_batch(batch, plan.num_islands))
-    return eqx.combine(arrays, static), report.as_dict()
+    new, report = body(arrays, batches)
+    return eqx.combine(mesh_lib.pin(new, layout), static), report.as_dict()
 
 
 def run_settle(plan: Plan, state: DiLoCoState) -> eqx.Module:
@@ -358,12 +387,18 @@ class TrainStep:
     def deferred(self) -> bool:
         return self.plan.deferred
 
-    def _place(self, batch: PyTree) -> PyTree:
-        return mesh_lib.place(batch, self.plan.mesh, mesh_lib.ISLANDS)
+    def place_batch(self, batch: PyTree) -> PyTree:
+        """A flat (GBS, ...) batch as placed island-major (K, GBS/K, ...) arrays."""
+        check_batch(batch, self.plan.num_islands)
+        return mesh_lib.place_island_batches(batch, self.plan.num_islands, self.plan.mesh)
 
     def __call__(self, state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, StepMetrics]:
-        check_batch(batch, self.plan.num_islands)
-        state, device_metrics = self._step(self._place(batch), state)
+        return self.step_placed(state, self.place_batch(batch))
+
+    def step_placed(self, state: DiLoCoState, batches: PyTree) -> tuple[DiLoCoState, StepMetrics]:
+        """The step on batches already island-major and placed (multi-process runs build
+        them from each process's rows)."""
+        state, device_metrics = self._step(batches, state)
         return state, StepMetrics(device_metrics, self.schedule, exchange_delay=int(self.deferred))
 
     def outer_model(self, state: DiLoCoState) -> eqx.Module:
@@ -372,10 +407,10 @@ class TrainStep:
         return self._settle(state) if self.deferred else state.outer
 
     def lower(self, state: DiLoCoState, batch: PyTree) -> jax.stages.Lowered:
-        return self._step.lower(self._place(batch), state).lowered
+        return self._step.lower(self.place_batch(batch), state).lowered
 
     def jaxpr(self, state: DiLoCoState, batch: PyTree) -> jax.extend.core.ClosedJaxpr:
-        return eqx.filter_make_jaxpr(partial(run_step, self.plan))(self._place(batch), state)[0]
+        return eqx.filter_make_jaxpr(partial(run_step, self.plan))(self.place_batch(batch), state)[0]
 
 
 def make_train_step(
@@ -387,6 +422,7 @@ def make_train_step(
     outer_optimizer: optax.GradientTransformation | None = None,
     layers: Callable[[Any], Any] = default_layers,
     deferred: bool | None = None,
+    param_specs: mesh_lib.ParamSpecs | None = None,
 ) -> TrainStep:
     """The global step for `cfg`: `train_step(state, batch) -> (state, metrics)`.
 
@@ -396,6 +432,8 @@ def make_train_step(
     `init_state` the same one). `layers` points at the layer stack (streaming).
     `deferred` (default: on exactly when streaming with V >= 1) runs each exchange in the
     step after its sync, off the inner step's critical path; the numbers do not change.
+    `mesh` may have "data" and "fsdp" axes inside each island (`make_mesh(diloco=D, data=n,
+    fsdp=m)`); `param_specs` replaces the default layout there (give init_state the same).
     """
     if deferred is None:
         deferred = cfg.streaming and cfg.overlap_steps >= 1
@@ -406,4 +444,4 @@ def make_train_step(
         )
     mesh_lib.check_divides(cfg.num_replicas, mesh)
     outer_tx = sync.outer_optimizer(cfg) if outer_optimizer is None else outer_optimizer
-    return TrainStep(Plan(cfg, loss_fn, inner_optimizer, outer_tx, mesh, layers, deferred))
+    return TrainStep(Plan(cfg, loss_fn, inner_optimizer, outer_tx, mesh, layers, deferred, param_specs))

@@ -1,4 +1,4 @@
-"""Test settings, set before jax is imported: 4 simulated CPU devices, XLA's quick compile
+"""Test settings, set before jax is imported: 8 simulated CPU devices, XLA's quick compile
 mode, a compilation cache shared by every test process, implicit rank promotion raises.
 
 The tests are dominated by compiling small programs, not by running them, so they ask XLA's
@@ -12,7 +12,7 @@ from pathlib import Path
 
 QUICK_COMPILE = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join(
-    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4", QUICK_COMPILE]
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8", QUICK_COMPILE]
 ).strip()
 # identical programs compiled by different tests or processes are compiled once
 os.environ.setdefault(

@@ -1,13 +1,16 @@
 """Benchmark: what DiLoCo costs per step, in time and memory, against plain training.
 
-    python -m tools.benchmark                      # sizes 1M, 10M, 30M; mesh none and 2 devices
+    python -m tools.benchmark                      # sizes 1M, 10M, 30M; mesh none and 2x1
+    python -m tools.benchmark --sizes 1M 10M --meshes 2x1 2x2data 2x2fsdp 2x4fsdp
     python -m tools.benchmark --quick --json bench.json
 
 Everything is measured side by side in one process and reported as ratios to the plain step
 (K islands each taking an inner AdamW step, no DiLoCo logic), since absolute times on a shared
 machine are noisy. Phases are timed one step at a time, interleaved across modes, with the
 global step t set so that the step ends on a sync, an apply, or neither; "amortized" runs H_eff
-consecutive steps. Medians with the 10th–90th percentile spread.
+consecutive steps. Medians with the 10th–90th percentile spread. Meshes are named
+D x (devices per island) and the inner axis: "2x2fsdp" is 2 islands of 2 devices splitting
+the parameters (simulated host devices on CPU: they share the machine's cores).
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ import sys
 import time
 from collections.abc import Callable
 
-DEVICES = 2
+DEVICES = 8
+MESHES = {  # name -> make_mesh sizes
+    "none": None,
+    "2x1": dict(diloco=2),
+    "2x2data": dict(diloco=2, data=2),
+    "2x2fsdp": dict(diloco=2, fsdp=2),
+    "2x4fsdp": dict(diloco=2, fsdp=4),
+    "2x2datax2fsdp": dict(diloco=2, data=2, fsdp=2),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +62,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per phase")
     add_flags(parser, DiLoCoConfig(sync_period=100, streaming=True, num_fragments=5),
               only=("sync_period", "num_fragments"))
-    parser.add_argument("--meshes", nargs="+", choices=["none", "2"], default=None,
-                        help="none: islands vmapped on one device; 2: a 2-device diloco axis")
+    parser.add_argument("--meshes", nargs="+", choices=list(MESHES), default=None,
+                        help="none: islands vmapped on one device; DxN<axis>: D islands of N "
+                             "devices along the data and/or fsdp axes (2x1: one device each)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
@@ -60,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     ).strip()
     sizes = [s for s in SIZES if s.name in (args.sizes or ([SIZES[0].name] if args.quick else
                                                            [s.name for s in SIZES]))]
-    meshes = args.meshes or (["none"] if args.quick else ["none", "2"])
+    meshes = args.meshes or (["none"] if args.quick else ["none", "2x1"])
     reps = args.reps or (15 if args.quick else 25)
     result = run(sizes, meshes, reps, args.sync_period, args.num_fragments)
     print(format_table(result))
@@ -81,6 +93,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
     import diloco_eqx as dl
     from diloco_eqx import mesh as islands
     from diloco_eqx.analysis import profiling
+    from diloco_eqx.analysis.plain import make_plain_step
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
     from models.transformer import Transformer, TransformerConfig, count_params, loss_fn
 
@@ -97,8 +110,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
         batch_np = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1),
                                                      dtype=np.int32)
         for mesh_name in meshes:
-            mesh = None if mesh_name == "none" else dl.make_mesh(DEVICES)
-            batch = islands.place(jnp.asarray(batch_np), mesh, islands.ISLANDS)
+            mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
             label = f"{size.name}/{mesh_name}"
             vanilla = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period)
             streaming = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period, streaming=True,
@@ -107,7 +119,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
                      "streaming": dl.Schedule.from_config(streaming)}
 
             # ---- the steps under test
-            plain_state, plain_step = _plain(model, loss_fn, inner, K, mesh)
+            plain_state, plain_step = make_plain_step(model, loss_fn, inner, K, mesh)
             steps = {
                 "plain": (plain_state, plain_step),
                 "ddp": (init_ddp_state(model, inner, mesh), make_ddp_step(K, loss_fn, inner, mesh)),
@@ -117,13 +129,14 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
                               dl.make_train_step(streaming, loss_fn, inner, mesh)),
             }
 
+            placed = {mode: step.place_batch(batch_np) for mode, (_, step) in steps.items()}
             counts = {mode: profiling.CompileCount() for mode in steps}
             ncalls = dict.fromkeys(steps, 0)
 
             def call(mode):
                 state, step = steps[mode]
                 with profiling.count_compilations() as c:
-                    state, _ = step(state, batch)
+                    state, _ = step.step_placed(state, placed[mode])
                     jax.block_until_ready(state)
                 counts[mode].count += c.count
                 counts[mode].seconds += c.seconds
@@ -186,7 +199,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
 
             # ---- memory and FLOPs of each compiled step (the executables compiled above)
             for mode, (state, step) in steps.items():
-                compiled = step.lower(state, batch).compile()
+                compiled = step.lower(state, batch_np).compile()
                 memory[f"{label}/{mode}"] = profiling.memory(compiled)
                 if mode == "plain":
                     plain_flops = profiling.flops(compiled)
@@ -197,15 +210,22 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
                 rows.append(_row(np, size.name, mesh_name, mode, phase, ts, plain_median))
             for mode in ("plain", "diloco", "streaming"):
                 rows.append(_row(np, size.name, mesh_name, mode, "amortized", amort[mode], amort_plain))
-            devices = 1 if mesh is None else DEVICES
+            devices = 1 if mesh is None else mesh.size
+            fsdp = islands.axis_size(mesh, islands.FSDP)
+            plain_bytes = memory[f"{label}/plain"]["resident_bytes"]
             checks[label] = {
+                "devices": devices,
+                "devices_per_island": islands.island_size(mesh),
+                "fsdp": fsdp,
+                "plain_resident_bytes_per_device": plain_bytes,
+                "extra_bytes_per_device": memory[f"{label}/diloco"]["resident_bytes"] - plain_bytes,
                 "params": n_params,
                 "tokens_per_step": size.global_batch * size.seq_len,
                 "plain_flops_per_step": plain_flops * devices,
                 "inner_flops_per_s": plain_flops * devices / plain_median,
                 "matmul_flops_per_s": matmul_flops,
                 "utilisation": plain_flops * devices / plain_median / matmul_flops,
-                "expected_extra_bytes": 2 * n_params * 4,
+                "expected_extra_bytes": 2 * n_params * 4 // fsdp,
             }
 
     first = next(iter(checks))
@@ -217,10 +237,11 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
                                        jax.random.key(0)),
                            inner, K, sync_period, size)
     n = checks[first]["params"]
-    islands_per_device = K // (1 if first.endswith("/none") else DEVICES)
+    islands_per_device = K // (checks[first]["devices"] // checks[first]["devices_per_island"])
+    m = checks[first]["fsdp"]
     modes = {  # the stash of the deferred exchange holds every island's |Θ| float32 values
-        "vanilla": ("diloco", 2 * n * 4),
-        "streaming_deferred": ("streaming", 2 * n * 4 + islands_per_device * n * 4),
+        "vanilla": ("diloco", 2 * n * 4 // m),
+        "streaming_deferred": ("streaming", (2 * n * 4 + islands_per_device * n * 4) // m),
     }
     return {
         "compilations": max(c["count"] for c in compilations.values()),
@@ -241,44 +262,6 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
     }
 
 
-def _plain(model, loss_fn, inner, k, mesh):
-    """K islands, each taking one inner step; nothing else (the floor)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    import optax
-
-    import diloco_eqx as dl
-    from diloco_eqx import mesh as islands
-    from diloco_eqx.fragments import default_layers
-    from diloco_eqx.metrics import split_batch
-    from diloco_eqx.step import inner_step
-
-    arrays, static = eqx.partition(model, eqx.is_array)
-    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)), arrays)
-    opt = jax.tree.map(lambda x: jnp.broadcast_to(x, (k, *x.shape)),
-                       inner.init(eqx.filter(model, eqx.is_inexact_array)))
-    state = islands.place((stacked, opt), mesh, islands.ISLANDS)
-    # the same inner step the DiLoCo step runs (only the loss and the inner optimizer matter)
-    plan = dl.Plan(dl.DiLoCoConfig(num_replicas=k), loss_fn, inner, optax.identity(), mesh,
-                   default_layers, deferred=False)
-
-    def body(arrays, opt_state, island_batches):
-        return inner_step(plan, static, arrays, opt_state, island_batches)
-
-    I = islands.ISLANDS
-    body = islands.shard_islands(body, mesh, in_specs=(I, I, I), out_specs=(I, I, I))
-    compiled = eqx.filter_jit(lambda batch, state: body(*state, split_batch(batch, k))[:2],
-                              donate="all-except-first")
-
-    def step(state, batch):
-        return compiled(batch, state), None
-
-    step.lower = lambda state, batch: compiled.lower(batch, state).lowered
-    return state, step
-
-
 def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
     """Memory of plain and vanilla DiLoCo steps for the model in bfloat16 (no mesh): the
     extra is 2·|Θ|·4 bytes, since the outer model and trace stay float32."""
@@ -289,12 +272,13 @@ def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
 
     import diloco_eqx as dl
     from diloco_eqx.analysis import profiling
+    from diloco_eqx.analysis.plain import make_plain_step
     from models.transformer import count_params, loss_fn
 
     model = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
-    batch = jnp.asarray(np.zeros((size.global_batch, size.seq_len + 1), np.int32))
+    batch = np.zeros((size.global_batch, size.seq_len + 1), np.int32)
     cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
-    plain_state, plain_step = _plain(model, loss_fn, inner, k, None)
+    plain_state, plain_step = make_plain_step(model, loss_fn, inner, k)
     plain = profiling.memory(plain_step.lower(plain_state, batch).compile())["resident_bytes"]
     state = dl.init_state(model, inner, cfg)
     diloco = profiling.memory(
@@ -349,7 +333,7 @@ def format_table(result: dict) -> str:
         plain = result["memory"]["all"][f"{key}/plain"]["resident_bytes"]
         for mode in ("diloco", "streaming"):
             extra = result["memory"]["all"][f"{key}/{mode}"]["resident_bytes"] - plain
-            lines.append(f"{key} {mode}: extra resident {extra:,} B vs 2·|Θ|·4 = "
+            lines.append(f"{key} {mode}: extra resident {extra:,} B per device vs 2·|Θ|·4/fsdp = "
                          f"{s['expected_extra_bytes']:,} B (ratio {extra / s['expected_extra_bytes']:.3f})")
         lines.append(f"{key}: {s['params']:,} params, inner step {s['inner_flops_per_s'] / 1e9:.2f} "
                      f"GFLOP/s vs matmul {s['matmul_flops_per_s'] / 1e9:.2f} GFLOP/s: "

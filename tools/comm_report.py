@@ -3,12 +3,16 @@
     python -m tools.comm_report                                  # Streaming, P=3, the default model
     python -m tools.comm_report --no-streaming --compression bf16 --json comm.json
     python -m tools.comm_report --layers 12 --width 448 --num-fragments 5 --sync-period 100
+    python -m tools.comm_report --num-replicas 2 --data-parallel 2 --fsdp 2   # islands of 4 devices
 
 The transformer is lowered and compiled for a diloco axis of D simulated CPU devices (one
-island per device by default), and every collective in the compiled HLO is attributed to the
-fragment whose sync issued it. "payload" is what one island contributes to a sync (the
-operand of an all-reduce, its share of an all-gather); "ring" is what it sends with the
-bandwidth-optimal ring algorithm at this D; ALGORITHM.md's 2·|Θ_f|·b is the ring figure for large D.
+island per device by default; with --data-parallel n and --fsdp m, each island is n·m devices),
+and every collective in the compiled HLO is attributed to the fragment whose sync issued it.
+"payload" is what one island contributes to a sync (the operand of an all-reduce, its share
+of an all-gather), summed over the island's devices; "per device" is one device's share
+(1/m of it with fsdp = m, since each device holds 1/m of the fragment); "ring" is what an
+island sends with the bandwidth-optimal ring algorithm at this D; ALGORITHM.md's 2·|Θ_f|·b
+is the ring figure for large D.
 """
 
 from __future__ import annotations
@@ -44,16 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p.add_argument_group("model"), run.model)
     add_flags(p.add_argument_group("data"), run.data, only=("seq_len", "global_batch"))
     p.add_argument("--devices", type=int, default=None, help="D, the diloco axis size (default: K)")
+    add_flags(p.add_argument_group("island mesh"), run, only=("data_parallel", "fsdp"))
     p.add_argument("--json", default=None, help="write the measured figures here")
     return p
 
 
 def use_host_devices(args: argparse.Namespace) -> int:
-    """Ask XLA for D = --devices (default K) CPU devices, before jax starts; returns D."""
+    """Ask XLA for D = --devices (default K) islands' worth of CPU devices, before jax
+    starts; returns D."""
     from diloco_eqx.training.multiprocess import use_host_devices as ask
 
     d = args.devices or args.num_replicas
-    ask(d)
+    ask(d * args.data_parallel * args.fsdp)
     return d
 
 
@@ -65,8 +71,18 @@ def config_from(args: argparse.Namespace):
     from diloco_eqx.training.config import DILOCO_FLAGS
 
     d = args.devices or args.num_replicas
-    if len(jax.devices()) < d:
-        raise ValueError(f"--devices {d}: only {len(jax.devices())} devices are visible")
+    for name in ("data_parallel", "fsdp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.num_replicas % d:
+        raise ValueError(f"--devices (D)={d} must divide --num-replicas (K)={args.num_replicas}")
+    if (args.global_batch // args.num_replicas) % args.data_parallel:
+        raise ValueError(f"--data-parallel={args.data_parallel} must divide each island's batch, "
+                         f"--global-batch / --num-replicas = {args.global_batch // args.num_replicas} rows")
+    need = d * args.data_parallel * args.fsdp
+    if len(jax.devices()) < need:
+        raise ValueError(f"--devices {d} × --data-parallel {args.data_parallel} × --fsdp {args.fsdp}: "
+                         f"needs {need} devices, only {len(jax.devices())} are visible")
     return from_flags(defaults().diloco, args, DILOCO_FLAGS)
 
 
@@ -79,27 +95,34 @@ def measure(args: argparse.Namespace) -> dict:
     k = args.num_replicas
     d = args.devices or k
     cfg = config_from(args)
-    shape = (args.layers, args.width, args.heads, args.seq_len, args.global_batch, d)
+    n, m = args.data_parallel, args.fsdp
+    shape = (args.layers, args.width, args.heads, args.seq_len, args.global_batch, d, n, m)
+    mesh = _mesh(d, n, m)
     hlo = _step_hlo(cfg, *shape)
     schedule = dl.Schedule.from_config(cfg)
     frag_params = dl.Fragmentation.from_model(_model(*shape[:4]), cfg).param_counts(
         _params(*shape[:4])
     )
-    per_device = comms.fragment_payload_bytes(hlo, schedule.num_fragments)
+    per_device = comms.fragment_payload_bytes(hlo, schedule.num_fragments, mesh)
+    inside = comms.fragment_payload_bytes(hlo, schedule.num_fragments, mesh, across=False)
     ring = [0.0] * schedule.num_fragments
     control = [0] * schedule.num_fragments
     for c in comms.collectives(hlo):
-        if c.fragment is not None:
+        if c.fragment is not None and comms.crosses_islands(c, mesh):
             ring[c.fragment] += c.wire_bytes
             control[c.fragment] += c.control_bytes
-    per_island = k // d  # islands per device: the payloads carry all of a device's islands
+    # an island's bytes: every one of its n·m devices sends its piece; a device's payload
+    # carries all K/D islands of its slice
+    islands_per_slice, island_devices = k // d, n * m
+    per_island = island_devices / islands_per_slice
     vanilla_cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=args.sync_period)
-    vanilla = comms.fragment_payload_bytes(_step_hlo(vanilla_cfg, *shape), 1)[0]
-    ddp = comms.every_step_payload_bytes(_ddp_hlo(k, *shape))
+    vanilla = comms.fragment_payload_bytes(_step_hlo(vanilla_cfg, *shape), 1, mesh)[0]
+    ddp = comms.every_step_payload_bytes(_ddp_hlo(k, *shape), mesh)
     b = compression.bits_per_value(cfg.compression) / 8
     num_params = sum(frag_params)
     return {
-        "config": {"num_replicas": k, "devices": d, "sync_period": cfg.sync_period,
+        "config": {"num_replicas": k, "devices": d, "data_parallel": n, "fsdp": m,
+                   "devices_per_island": island_devices, "sync_period": cfg.sync_period,
                    "streaming": cfg.streaming, "num_fragments": schedule.num_fragments,
                    "fragment_order": str(cfg.fragment_order), "overlap_steps": cfg.overlap_steps,
                    "compression": cfg.compression, "layers": args.layers, "width": args.width},
@@ -110,18 +133,26 @@ def measure(args: argparse.Namespace) -> dict:
         "fragments": [
             {
                 "fragment": f,
-                "params": n,
-                "param_bytes": 4 * n,
-                "collective_bytes": per_device[f] // per_island,
-                "ring_bytes": ring[f] / per_island,
-                "formula_bytes": 2 * n * b,
-                "control_bytes": control[f] // per_island,
+                "params": p,
+                "param_bytes": 4 * p,
+                "collective_bytes": round(per_device[f] * per_island),
+                "collective_bytes_per_device": per_device[f] // islands_per_slice,
+                "inside_island_bytes_per_device": inside[f],
+                "ring_bytes": ring[f] * per_island,
+                "formula_bytes": 2 * p * b,
+                "control_bytes": control[f] // islands_per_slice,
             }
-            for f, n in enumerate(frag_params)
+            for f, p in enumerate(frag_params)
         ],
-        "vanilla_collective_bytes": vanilla // per_island,
-        "ddp_collective_bytes_per_step": ddp // per_island,
+        "vanilla_collective_bytes": round(vanilla * per_island),
+        "ddp_collective_bytes_per_step": round(ddp * per_island),
     }
+
+
+def _mesh(devices, data, fsdp):
+    import diloco_eqx as dl
+
+    return dl.make_mesh(devices) if data * fsdp == 1 else dl.make_mesh(diloco=devices, data=data, fsdp=fsdp)
 
 
 # Compiled programs are cached per model shape, so one process can report many configs.
@@ -150,27 +181,26 @@ def _batch(seq_len, global_batch):
 
 
 @functools.cache
-def _step_hlo(cfg, layers, width, heads, seq_len, global_batch, devices) -> str:
+def _step_hlo(cfg, layers, width, heads, seq_len, global_batch, devices, data, fsdp) -> str:
     import optax
 
     import diloco_eqx as dl
     from models.transformer import loss_fn
 
-    model, mesh, inner = _model(layers, width, heads, seq_len), dl.make_mesh(devices), optax.adamw(1e-3)
+    model, mesh, inner = _model(layers, width, heads, seq_len), _mesh(devices, data, fsdp), optax.adamw(1e-3)
     state = dl.init_state(model, inner, cfg, mesh)
     step = dl.make_train_step(cfg, loss_fn, inner, mesh)
     return step.lower(state, _batch(seq_len, global_batch)).compile().as_text()
 
 
 @functools.cache
-def _ddp_hlo(k, layers, width, heads, seq_len, global_batch, devices) -> str:
+def _ddp_hlo(k, layers, width, heads, seq_len, global_batch, devices, data, fsdp) -> str:
     import optax
 
-    import diloco_eqx as dl
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
     from models.transformer import loss_fn
 
-    model, mesh, inner = _model(layers, width, heads, seq_len), dl.make_mesh(devices), optax.adamw(1e-3)
+    model, mesh, inner = _model(layers, width, heads, seq_len), _mesh(devices, data, fsdp), optax.adamw(1e-3)
     step = make_ddp_step(k, loss_fn, inner, mesh)
     return step.lower(init_ddp_state(model, inner, mesh), _batch(seq_len, global_batch)).compile().as_text()
 
@@ -180,23 +210,30 @@ def format_report(r: dict) -> str:
     heff, frags = r["period"], r["fragments"]
     mode = (f"Streaming DiLoCo, P={c['num_fragments']} ({c['fragment_order']}), V={c['overlap_steps']}"
             if c["streaming"] else "vanilla DiLoCo")
+    island = (f"islands of {c['devices_per_island']} devices (data {c['data_parallel']} × fsdp "
+              f"{c['fsdp']})" if c["devices_per_island"] > 1 else "one device per island slice")
     lines = [
-        f"{mode}, K={c['num_replicas']} on a diloco axis of D={c['devices']}, H={c['sync_period']} "
-        f"(Δh={r['steps_between_syncs']}, H_eff={heff}), compression={c['compression']}",
+        f"{mode}, K={c['num_replicas']} on a diloco axis of D={c['devices']}, {island}, "
+        f"H={c['sync_period']} (Δh={r['steps_between_syncs']}, H_eff={heff}), compression={c['compression']}",
         f"model: {c['layers']} layers × width {c['width']}: |Θ| = {r['num_params']:,} params "
         f"= {r['param_bytes']:,} bytes (float32)",
         "",
-        "per fragment, bytes per island per sync:",
-        f"{'fragment':>8} {'params':>12} {'param bytes':>12} {'payload':>12} {'ring @D':>12} {'2|Θ_f|b':>12}",
+        "per fragment, bytes per sync across islands (per island, and per device of an island), "
+        "and inside an island (per device):",
+        f"{'fragment':>8} {'params':>12} {'param bytes':>12} {'payload':>12} {'per device':>12} "
+        f"{'ring @D':>12} {'2|Θ_f|b':>12} {'inside':>10}",
     ]
     for f in frags:
         lines.append(f"{f['fragment']:>8} {f['params']:>12,} {f['param_bytes']:>12,} "
-                     f"{f['collective_bytes']:>12,} {f['ring_bytes']:>12,.0f} {f['formula_bytes']:>12,.0f}")
+                     f"{f['collective_bytes']:>12,} {f['collective_bytes_per_device']:>12,} "
+                     f"{f['ring_bytes']:>12,.0f} {f['formula_bytes']:>12,.0f} "
+                     f"{f['inside_island_bytes_per_device']:>10,}")
     total = sum(f["collective_bytes"] for f in frags)
     ring = sum(f["ring_bytes"] for f in frags)
     formula = sum(f["formula_bytes"] for f in frags)
     lines.append(f"{'all':>8} {r['num_params']:>12,} {r['param_bytes']:>12,} {total:>12,} "
-                 f"{ring:>12,.0f} {formula:>12,.0f}")
+                 f"{sum(f['collective_bytes_per_device'] for f in frags):>12,} "
+                 f"{ring:>12,.0f} {formula:>12,.0f} {sum(f['inside_island_bytes_per_device'] for f in frags):>10,}")
     lines.append(f"(plus {max(f['control_bytes'] for f in frags)} bytes of control values per sync: "
                  "the count of contributing islands, or their mask)")
     n4 = r["param_bytes"]

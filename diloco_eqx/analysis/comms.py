@@ -12,6 +12,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 COLLECTIVE_OPS = (
     "all-reduce",
     "all-gather",
@@ -60,6 +62,25 @@ class Collective:
     """JAX's name stack for the op (named scopes such as "diloco_sync" show up here)."""
     group_size: int = 1
     """Participants in each replica group (the diloco axis size D for the step's collectives)."""
+    groups: tuple[tuple[int, ...], ...] | None = None
+    """Its replica groups as device ids, where XLA printed them as groups or an iota (for a
+    collective-permute: its (source, target) pairs)."""
+    group_axes: frozenset[str] | None = None
+    """The mesh axes its groups span, where XLA printed them as mesh axes."""
+
+    def axes(self, mesh) -> frozenset[str]:
+        """The mesh axes along which the devices of one of its groups differ (e.g.
+        {"diloco"}: it crosses islands; {"data"}: it stays inside an island)."""
+        if self.group_axes is not None:
+            return self.group_axes
+        if not self.groups:  # no groups printed: one group of every device
+            return frozenset(name for name in mesh.axis_names if mesh.shape[name] > 1)
+        # SPMD programs number devices by their position in the mesh, row-major
+        found = set()
+        for group in self.groups:
+            coords = [np.unravel_index(i, mesh.devices.shape) for i in group]
+            found |= {name for a, name in enumerate(mesh.axis_names) if len({c[a] for c in coords}) > 1}
+        return frozenset(found)
 
     @property
     def fragment(self) -> int | None:
@@ -158,7 +179,7 @@ def collectives(hlo: str) -> list[Collective]:
             op_name = _OP_NAME.search(line)
             found.append(
                 Collective(kind, name, comp, shapes, op_name.group(1) if op_name else "",
-                           group_size(line))
+                           group_size(line), replica_groups(line), mesh_group_axes(line))
             )
     return found
 
@@ -178,6 +199,43 @@ def group_size(line: str) -> int:
         sizes = {name: int(n) for name, n in _MESH_AXIS.findall(mesh.group(1))}
         return math.prod(sizes[a.strip().strip("'")] for a in mesh.group(2).split(",") if a.strip())
     return 1
+
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_GROUPS_ALL = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+
+
+def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+    """The device ids of each replica group, from explicit groups or an iota
+    `[G,S]<=[dims]T(perm)` (iota over dims, transposed by perm, cut into G groups of S);
+    a collective-permute's `source_target_pairs` as groups of two."""
+    pairs = _PAIRS.search(line)
+    if pairs:
+        return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+    explicit = _GROUPS_ALL.search(line)
+    if explicit:
+        return tuple(tuple(int(i) for i in g.split(",") if i)
+                     for g in re.findall(r"\{([0-9,]*)\}", explicit.group(1)))
+    iota = _GROUPS_IOTA_FULL.search(line)
+    if iota:
+        g, size = int(iota.group(1)), int(iota.group(2))
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(g, size))
+    return None
+
+
+def mesh_group_axes(line: str) -> frozenset[str] | None:
+    """The axes named by the mesh notation `mesh[...] {'diloco'}` of newer XLA."""
+    mesh = _GROUPS_MESH.search(line)
+    if not mesh:
+        return None
+    sizes = {name: int(n) for name, n in _MESH_AXIS.findall(mesh.group(1))}
+    named = {a.strip().strip("'") for a in mesh.group(2).split(",") if a.strip()}
+    return frozenset(a for a in named if sizes.get(a, 1) > 1)
 
 
 def unconditional_computations(hlo: str) -> set[str]:
@@ -216,13 +274,15 @@ def branch_computations(hlo: str) -> set[str]:
     return seen
 
 
-def fragment_payload_bytes(hlo: str, num_fragments: int) -> list[int]:
+def fragment_payload_bytes(hlo: str, num_fragments: int, mesh=None, across: bool = True) -> list[int]:
     """Bytes per device per sync of each fragment, measured: the payload of every collective
-    issued under that fragment's sync scope (conditional branches only)."""
+    issued under that fragment's sync scope (conditional branches only). With `mesh`, only
+    the collectives that cross islands (`across`) or only those inside an island (not
+    `across`; e.g. gathering the outer fragment over "data" before writing it into islands)."""
     branch = branch_computations(hlo)
     per = [0] * num_fragments
     for c in collectives(hlo):
-        if c.fragment is None:
+        if c.fragment is None or (mesh is not None and crosses_islands(c, mesh) != across):
             continue
         if c.computation not in branch or not 0 <= c.fragment < num_fragments:
             raise ValueError(f"collective {c.name} of fragment {c.fragment} is not inside a sync branch")
@@ -230,10 +290,17 @@ def fragment_payload_bytes(hlo: str, num_fragments: int) -> list[int]:
     return per
 
 
-def every_step_payload_bytes(hlo: str) -> int:
-    """Bytes per device of the collectives that run on every call (DDP's gradient mean)."""
+def every_step_payload_bytes(hlo: str, mesh=None) -> int:
+    """Bytes per device of the collectives that run on every call (DDP's gradient mean);
+    with `mesh`, only those that cross islands."""
     always = unconditional_computations(hlo)
-    return sum(c.payload_bytes for c in collectives(hlo) if c.computation in always)
+    return sum(c.payload_bytes for c in collectives(hlo)
+               if c.computation in always and (mesh is None or crosses_islands(c, mesh)))
+
+
+def crosses_islands(c: Collective, mesh) -> bool:
+    """Whether a collective's groups join devices of different islands."""
+    return "diloco" in c.axes(mesh)
 
 
 # ---------------------------------------------------------------- byte accounting

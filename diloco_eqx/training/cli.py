@@ -197,9 +197,16 @@ def check_flags(a: argparse.Namespace, parser: Parser) -> None:
     if a.global_batch % a.num_replicas:
         parser.error(f"--global-batch (GBS)={a.global_batch} must be divisible by "
                      f"--num-replicas (K)={a.num_replicas}")
-    if a.devices is not None and (a.devices < 1 or a.num_replicas % a.devices):
-        parser.error(f"--devices must be >= 1 and divide --num-replicas (K)={a.num_replicas}; "
-                     f"got {a.devices}")
+    if a.devices is not None and (a.devices < 1 or a.num_replicas % (a.devices * a.num_processes)):
+        parser.error(f"--devices must be >= 1, and --devices × --num-processes must divide "
+                     f"--num-replicas (K)={a.num_replicas}; got {a.devices} × {a.num_processes}")
+    for name in ("data_parallel", "fsdp"):
+        if getattr(a, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}")
+    island = a.global_batch // a.num_replicas
+    if island % a.data_parallel:
+        parser.error(f"--data-parallel={a.data_parallel} must divide each island's batch, "
+                     f"--global-batch / --num-replicas = {island} rows")
 
 
 # ---------------------------------------------------------------- the training command

@@ -18,7 +18,7 @@ from models.transformer import TransformerConfig
 
 MODES = ("diloco", "ddp")
 RESUMABLE = ("resume", "progress", "out", "coordinator", "num_processes", "process_id",
-             "heartbeat_timeout", "devices", "checkpoint_every")
+             "heartbeat_timeout", "devices", "data_parallel", "fsdp", "checkpoint_every")
 """Settings a --resume may change: none of them changes a number the run computes (the
 islands' layout over devices and processes, where checkpoints fall, what is printed)."""
 
@@ -98,7 +98,14 @@ class RunConfig:
     eval_island: bool = False
     """Also evaluate island 0."""
     devices: int | None = None
-    """Simulated host devices on the diloco axis (default: none, islands vmapped on one device)."""
+    """Device slices of the diloco axis (per process in multi-process runs); on CPU the run
+    asks for devices × data-parallel × fsdp simulated host devices (default: none, islands
+    vmapped on one device; with --data-parallel or --fsdp above 1: one slice per island)."""
+    data_parallel: int = 1
+    """Devices per island along "data": each island's batch rows are split over them."""
+    fsdp: int = 1
+    """Devices per island along "fsdp": each island's parameters and optimizer states are
+    split over them (each leaf's largest axis divisible by this size)."""
     progress: bool = True
     """Show a progress bar."""
     coordinator: str | None = dataclasses.field(default=None, metadata={"metavar": "HOST:PORT"})
@@ -118,6 +125,18 @@ class RunConfig:
     @property
     def distributed(self) -> bool:
         return self.coordinator is not None
+
+    @property
+    def island_devices(self) -> int:
+        """Devices per island (data-parallel × fsdp)."""
+        return self.data_parallel * self.fsdp
+
+    @property
+    def diloco_slices(self) -> int | None:
+        """Device slices of the diloco axis this process asks for (None: no mesh)."""
+        if self.devices is None and self.island_devices > 1:
+            return self.diloco.num_replicas // self.num_processes
+        return self.devices
 
     @property
     def tokens_per_step(self) -> int:

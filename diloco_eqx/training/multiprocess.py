@@ -35,13 +35,15 @@ def initialize(coordinator: str, num_processes: int, process_id: int, heartbeat_
     )
 
 
-def process_mesh(devices_per_process: int | None) -> jax.sharding.Mesh:
-    """The diloco axis over every process's devices, process by process."""
-    per = devices_per_process or len(jax.local_devices())
-    return dl.make_mesh(devices=[
-        d for p in range(jax.process_count())
-        for d in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:per]
-    ])
+def process_mesh(slices_per_process: int | None, data: int = 1, fsdp: int = 1) -> jax.sharding.Mesh:
+    """The mesh over every process's devices, process by process: the diloco axis spans
+    the processes, each island's data × fsdp devices sit in one process."""
+    per = slices_per_process * data * fsdp if slices_per_process else len(jax.local_devices())
+    devices = [d for p in range(jax.process_count())
+               for d in sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)[:per]]
+    if data * fsdp == 1:
+        return dl.make_mesh(devices=devices)
+    return dl.make_mesh(devices=devices, diloco=len(devices) // (data * fsdp), data=data, fsdp=fsdp)
 
 
 def process_rows(global_batch: int) -> tuple[int, int]:
@@ -51,18 +53,23 @@ def process_rows(global_batch: int) -> tuple[int, int]:
 
 
 class GlobalBatches:
-    """This process's rows of each global batch, as one global array over the diloco axis.
-    Passes the iterator's state through, for checkpoints."""
+    """This process's rows of each global batch, as one island-major global array (K,
+    GBS/K, ...) over the mesh (islands over "diloco", rows over "data"). Passes the
+    iterator's state through, for checkpoints."""
 
-    def __init__(self, it: Iterator[np.ndarray], mesh: jax.sharding.Mesh, shape: tuple[int, ...]):
-        self._it, self._shape = it, shape
-        self._sharding = jax.sharding.NamedSharding(mesh, mesh_lib.ISLANDS)
+    def __init__(self, it: Iterator[np.ndarray], mesh: jax.sharding.Mesh, num_islands: int,
+                 shape: tuple[int, ...]):
+        self._it, self._k = it, num_islands
+        self._shape = (num_islands, shape[0] // num_islands, *shape[1:])
+        self._sharding = mesh_lib.batch_sharding(mesh)
 
     def __iter__(self) -> GlobalBatches:
         return self
 
     def __next__(self) -> jax.Array:
-        return jax.make_array_from_process_local_data(self._sharding, next(self._it), self._shape)
+        rows = next(self._it)
+        local = rows.reshape(-1, self._shape[1], *rows.shape[1:])
+        return jax.make_array_from_process_local_data(self._sharding, local, self._shape)
 
     def get_state(self):
         return self._it.get_state()

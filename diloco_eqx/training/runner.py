@@ -96,12 +96,19 @@ def load_corpus(spec: tuple[str, ...]) -> data.Corpus:
 
 
 def build_mesh(cfg: RunConfig):
-    if cfg.devices and len(jax.local_devices()) < cfg.devices:
-        raise ValueError(f"--devices {cfg.devices}: only {len(jax.local_devices())} devices are "
-                         "visible; jax was started before XLA_FLAGS could ask for more")
+    """None (islands vmapped on one device), the diloco axis, or the island mesh."""
+    slices, per = cfg.diloco_slices, cfg.island_devices
+    if slices and len(jax.local_devices()) < slices * per:
+        raise ValueError(f"--devices {slices} × --data-parallel {cfg.data_parallel} × --fsdp "
+                         f"{cfg.fsdp} needs {slices * per} devices; only {len(jax.local_devices())} "
+                         "are visible (jax was started before XLA_FLAGS could ask for more)")
     if cfg.distributed:  # island k lives on process k·N/K
-        return multiprocess.process_mesh(cfg.devices)
-    return dl.make_mesh(cfg.devices) if cfg.devices else None
+        return multiprocess.process_mesh(slices, cfg.data_parallel, cfg.fsdp)
+    if not slices:
+        return None
+    if per == 1:
+        return dl.make_mesh(slices)
+    return dl.make_mesh(diloco=slices, data=cfg.data_parallel, fsdp=cfg.fsdp)
 
 
 def build(cfg: RunConfig) -> Job:
@@ -211,8 +218,8 @@ def metadata(job: Job, argv: list[str]) -> dict[str, Any]:
 
 def run(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run (or resume) one training job; returns the summary written to run.json."""
-    if cfg.devices:
-        multiprocess.use_host_devices(cfg.devices)
+    if cfg.diloco_slices:
+        multiprocess.use_host_devices(cfg.diloco_slices * cfg.island_devices)
     if cfg.distributed:
         multiprocess.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
     out = Path(cfg.out)
@@ -231,8 +238,11 @@ def run(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
 def _train(job: Job, out: Path, checkpointer: Checkpointer, meta: dict[str, Any]) -> dict[str, Any]:
     cfg, primary = job.cfg, jax.process_index() == 0
     batches = iter(job.train_ds.to_iter_dataset())
-    if cfg.distributed:
-        batches = multiprocess.GlobalBatches(batches, job.mesh, (cfg.data.global_batch, cfg.data.seq_len + 1))
+    step_fn = job.step_fn
+    if cfg.distributed:  # batches arrive island-major and placed
+        batches = multiprocess.GlobalBatches(batches, job.mesh, cfg.diloco.num_replicas,
+                                             (cfg.data.global_batch, cfg.data.seq_len + 1))
+        step_fn = job.step_fn.step_placed
     state, start, elapsed, key = _restore(job, out, checkpointer, batches)
     if primary:
         write_json(out / "run.json", meta)
@@ -244,7 +254,7 @@ def _train(job: Job, out: Path, checkpointer: Checkpointer, meta: dict[str, Any]
     evaluate = evaluator(job)
     try:
         with signals:
-            state = train_loop(state, job.step_fn, batches, cfg=loop_cfg, start_step=start, metrics=writer,
+            state = train_loop(state, step_fn, batches, cfg=loop_cfg, start_step=start, metrics=writer,
                                evaluate=evaluate, describe=describe_step(job), checkpointer=checkpointer,
                                extra=lambda: {"rng": key_to_json(key)}, elapsed=elapsed, stop=signals.requested)
     except Interrupted as e:

@@ -33,18 +33,19 @@ def test_deferred_equals_direct(v, order):
 def analysis(deferred, cfg=None, mesh_size=2):
     cfg = cfg or dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
                                  overlap_steps=1)
-    mesh = dl.make_mesh(mesh_size)
+    mesh = dl.make_mesh(**mesh_size) if isinstance(mesh_size, dict) else dl.make_mesh(mesh_size)
     inner = optax.adamw(0.01)
     state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, mesh)
     step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred)
     return critical_path.analyze(step.jaxpr(state, batches(1)[0]))
 
 
-@pytest.mark.parametrize("compression", ["none", "fp4"])
-def test_deferred_collective_is_independent_of_the_inner_step(compression):
+@pytest.mark.parametrize("compression,mesh", [("none", 2), ("fp4", 2), ("none", dict(diloco=2, data=2, fsdp=2))],
+                         ids=["none", "fp4", "island-mesh"])
+def test_deferred_collective_is_independent_of_the_inner_step(compression, mesh):
     cfg = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3,
                           overlap_steps=2, compression=compression)
-    a = analysis(True, cfg)
+    a = analysis(True, cfg, mesh)
     colls = a.collectives()
     assert colls and {c.primitive for c in colls} <= {"psum_invariant", "psum", "all_gather_invariant", "all_gather"}
     assert all("diloco_sync" in c.scope.split("/") for c in colls)

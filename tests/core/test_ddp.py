@@ -16,11 +16,16 @@ def data(steps):
     return [rng.normal(size=(8, 3)).astype(np.float32) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("k,devices", [(1, None), (2, None), (4, None), (4, 2), (4, 4)])
+ISLAND_MESHES = [dict(diloco=2, data=2), dict(diloco=2, fsdp=2), dict(diloco=2, data=2, fsdp=2)]
+
+
+@pytest.mark.parametrize("k,devices", [(1, None), (2, None), (4, None), (4, 2), (4, 4)]
+                         + [(2, sizes) for sizes in ISLAND_MESHES])
 @pytest.mark.parametrize("opt", [optax.adamw(0.01), optax.sgd(0.1)], ids=["adamw", "sgd"])
 def test_ddp_is_full_batch_training(k, devices, opt):
     # SGD is not scale-invariant, so it catches a gradient summed instead of averaged
-    mesh = None if devices is None else dl.make_mesh(devices)
+    mesh = (None if devices is None else dl.make_mesh(**devices) if isinstance(devices, dict)
+            else dl.make_mesh(devices))
     state = init_ddp_state(make_toy(4, 3), opt, mesh)
     step = make_ddp_step(k, toy_loss, opt, mesh)
     model = make_toy(4, 3)

@@ -38,10 +38,10 @@ def launch_pair(args, out, tmp_path, tag):
                    tmp_path / f"{tag}{i}.log") for i in (1, 0)]
 
 
-def losses(out):
+def losses(out, k=4):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return ([r["step"] for r in rows],
-            np.array([[r.get(f"loss_island_{i}", r.get("eval_loss")) for i in range(4)] for r in rows]))
+            np.array([[r.get(f"loss_island_{i}", r.get("eval_loss")) for i in range(k)] for r in rows]))
 
 
 def single(args, out):
@@ -87,3 +87,38 @@ def test_killed_process_stops_the_other_and_both_resume(tmp_path):
     steps_s, ls = losses(tmp_path / "straight")
     assert steps_r == steps_s
     np.testing.assert_allclose(lr, ls, rtol=1e-6)
+
+
+@pytest.mark.slow  # end to end: five training processes
+def test_one_island_per_process_of_data_2_by_fsdp_2(tmp_path):
+    """The realistic layout: 2 processes × 4 devices, each process one island of (data 2 ×
+    fsdp 2), islands across processes. Killed after a checkpoint and resumed, both processes
+    give the per-step losses of one uninterrupted process with all 8 devices."""
+    args = [*TINY, "--num-replicas", "2", "--data-parallel", "2", "--fsdp", "2",
+            "--steps", "24", "--eval-every", "12", "--checkpoint-every", "6"]
+    out, port = tmp_path / "run", free_port()
+
+    def pair(extra, tag):
+        return [launch([*args, *extra, "--devices", "1", "--coordinator", f"localhost:{port}",
+                        "--num-processes", "2", "--process-id", str(i), "--out", str(out)],
+                       tmp_path / f"{tag}{i}.log") for i in (1, 0)]
+
+    p1, p0 = pair([], "k")
+    deadline = time.time() + 400
+    while not (out / "checkpoints" / "12").exists():
+        assert time.time() < deadline and p0.poll() is None, (tmp_path / "k0.log").read_text()[-2000:]
+        time.sleep(0.2)
+    p1.kill()
+    assert p0.wait(timeout=120) == 1
+    port = free_port()
+    procs = pair(["--resume"], "r")
+    assert [p.wait(timeout=400) for p in procs] == [0, 0], (tmp_path / "r0.log").read_text()[-2000:]
+    straight = tmp_path / "straight"
+    subprocess.run([sys.executable, "-m", "experiments.train", *args, "--devices", "2", "--out", str(straight)],
+                   cwd=ROOT, env=subprocess_env(), check=True, capture_output=True)
+    steps_r, lr = losses(out, k=2)
+    steps_s, ls = losses(straight, k=2)
+    assert steps_r == steps_s and len(steps_s) == 24 + 2
+    np.testing.assert_allclose(lr, ls, rtol=1e-6)
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["status"] == "finished" and len(meta["machine"]["devices"]) == 8

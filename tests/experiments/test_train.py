@@ -61,6 +61,26 @@ def test_ddp_and_vanilla_modes_run(tmp_path):
             assert steps[-1]["comm_bytes_per_island"] == 2 * 2 * meta["model"]["params"] * 4
 
 
+def test_islands_of_data_2_by_fsdp_2_train_like_one_device(tmp_path):
+    """--devices 2 --data-parallel 2 --fsdp 2: 2 islands of 4 devices, each splitting its
+    rows over "data" and its parameters over "fsdp"; the same losses as islands vmapped on
+    one device, and a finished run with its checkpoint."""
+    common = TINY + ["--global-batch", "8", "--steps", "6", "--sync-period", "3", "--eval-every", "6",
+                     "--checkpoint-every", "6"]
+    mesh, flat = tmp_path / "mesh", tmp_path / "flat"
+    assert train.main(common + ["--devices", "2", "--data-parallel", "2", "--fsdp", "2", "--out", str(mesh)]) == 0
+    assert train.main(common + ["--out", str(flat)]) == 0
+    got, want = rows(mesh), rows(flat)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4, 5, 6, 6]
+    for a, b in zip(got, want):
+        for key in ("loss_island_0", "loss_island_1", "eval_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=2e-5)
+    meta = json.loads((mesh / "run.json").read_text())
+    assert meta["status"] == "finished" and meta["settings"]["fsdp"] == 2
+    assert (mesh / "checkpoints" / "6").exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--corpus", "/no/such/dir/*.txt"], "matches no file"),
     (["--corpus", "{empty}/*.txt"], "is empty"),
@@ -82,6 +102,8 @@ def test_bad_input_leaves_no_run_directory(tmp_path, capsys, argv, message):
 
 @pytest.mark.parametrize("argv,message", [
     (["--global-batch", "5"], "--global-batch (GBS)=5 must be divisible by --num-replicas (K)=2"),
+    (["--data-parallel", "3"], "--data-parallel=3 must divide each island's batch"),
+    (["--fsdp", "0"], "--fsdp must be >= 1; got 0"),
     (["--mode", "async"], "invalid choice: 'async'"),
     (["--drops", "30"], "--drops takes STEP:ISLAND pairs of integers (e.g. 30:1); got '30'"),
     (["--coordinator", "localhost"], "--coordinator must be HOST:PORT; got 'localhost'"),

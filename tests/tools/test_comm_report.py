@@ -61,3 +61,25 @@ def test_cli_writes_json(tmp_path, capsys):
 def test_bad_knob_is_a_clear_error(capsys):
     assert comm_report.main(SMALL + ["--compression", "int3"]) == 2
     assert "compression must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("data,fsdp", [(2, 1), (1, 2), (2, 2)])
+def test_island_mesh_bytes(data, fsdp):
+    """Islands of data × fsdp devices: each island still sends each fragment once per sync
+    (the outer copy is split over its devices, each sending its piece), so the per-island
+    bytes equal the one-device islands' and each device sends 1/(data·fsdp) of them. What
+    the island's devices exchange among themselves in a sync (partial norms, pieces of the
+    outer fragment) stays inside."""
+    flat = report("--num-fragments", "3")
+    r = report("--num-fragments", "3", "--data-parallel", str(data), "--fsdp", str(fsdp))
+    assert r["config"]["devices_per_island"] == data * fsdp
+    for a, b in zip(flat["fragments"], r["fragments"]):
+        assert b["collective_bytes"] == a["collective_bytes"] == a["param_bytes"]
+        assert b["collective_bytes_per_device"] == a["param_bytes"] // (data * fsdp)
+        assert a["inside_island_bytes_per_device"] == 0 < b["inside_island_bytes_per_device"]
+    assert r["vanilla_collective_bytes"] == flat["vanilla_collective_bytes"]
+
+
+def test_island_mesh_flags_are_checked(capsys):
+    assert comm_report.main(SMALL + ["--data-parallel", "3"]) == 2
+    assert "--data-parallel=3 must divide each island's batch" in capsys.readouterr().err
