@@ -80,6 +80,12 @@ class Plan:
         specs = self.param_specs or mesh_lib.default_param_specs(self.mesh)
         return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, True, specs))
 
+    def pin_like_island(self, tree: PyTree) -> PyTree:
+        """Outer leaves laid out like one island's (gathered over "data" inside the island),
+        before they are written into the islands."""
+        specs = self.param_specs or mesh_lib.default_param_specs(self.mesh)
+        return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, False, specs))
+
     def pin_outer(self, tree: PyTree) -> PyTree:
         """Outer leaves kept in their layout (split over the island's devices)."""
         specs = self.param_specs or mesh_lib.default_outer_specs(self.mesh)
@@ -153,6 +159,7 @@ def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree) -> PyTree:
     """Each island's pseudo-gradient of fragment f (no communication)."""
     take = plan.fragments.take
     outer_f = take(params(outer), f)
+    inner = plan.pin_islands(inner)  # the islands are read where they live, not moved first
     return mesh_lib.map_islands(lambda m: sync.pseudo_gradient(outer_f, take(params(m), f)), inner)
 
 
@@ -195,7 +202,7 @@ def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, resi
 def stash_fragment(plan: Plan, f: int, inner, outer, pending):
     """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step."""
     deltas = island_deltas(plan, f, inner, outer)
-    return mesh_lib.map_islands(lambda p, d: plan.fragments.put(p, f, d), pending, deltas)
+    return mesh_lib.map_islands(lambda p, d: plan.fragments.put(p, f, d), plan.pin_islands(pending), deltas)
 
 
 def no_exchange(plan: Plan, _, outer, outer_opt, residual):
@@ -238,7 +245,9 @@ def apply_fragment(plan: Plan, f: int, inner, outer):
     """Every island takes outer fragment f, blended with α; also says which islands' own
     fragment f was not finite (those are reset instead)."""
     take, put = plan.fragments.take, plan.fragments.put
-    outer_f = take(mesh_lib.island_local(params(outer), plan.mesh), f)
+    outer_f = plan.pin_like_island(take(mesh_lib.island_local(params(outer), plan.mesh), f))
+
+    inner = plan.pin_islands(inner)
 
     def one(island):
         own = take(params(island), f)
@@ -251,7 +260,7 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
     """Islands flagged in `bad` take the outer model (in their own dtypes), and every leaf
     of their inner optimizer state that is not finite restarts from `init` on it (finite
     leaves, such as step counts, are kept so schedules continue)."""
-    fresh = sync.cast_like(params(outer), params(inner))
+    fresh = sync.cast_like(plan.pin_like_island(params(outer)), params(inner))
     fresh_opt = plan.inner_optimizer.init(fresh)
 
     def pick(x, new, only_non_finite):
