@@ -105,7 +105,10 @@ class Transformer(eqx.Module):
         return self.layers.qkv.shape[0]
 
     def __call__(self, tokens: Int[Array, " T"]) -> Float[Array, "T V"]:
-        x = self.embed[tokens] + self.pos[: tokens.shape[0]]
+        # a one-hot product, not a gather: XLA's partitioner can fail on gathers from a table
+        # split over fsdp inside a partly manual shard_map (the vocabulary is small)
+        x = jax.nn.one_hot(tokens, self.embed.shape[0], dtype=self.embed.dtype) @ self.embed
+        x = x + self.pos[: tokens.shape[0]]
         dynamic, static = eqx.partition(self.layers, eqx.is_array)
 
         def layer(x, block_arrays):

@@ -153,7 +153,8 @@ def test_what_crosses_islands_and_what_stays_inside():
     assert per_device == [b // 4 for b in frag_bytes]
 
 
-@pytest.mark.parametrize("mesh_name", ["2x2data", "2x2fsdp", "2x2datax2fsdp"])
+@pytest.mark.parametrize("mesh_name", [pytest.param("2x2data", marks=pytest.mark.slow),
+                                       pytest.param("2x2fsdp", marks=pytest.mark.slow), "2x2datax2fsdp"])
 def test_memory_per_device(mesh_name):
     """Compiled memory per device, vanilla DiLoCo vs plain training on the same island mesh:
     the islands' state is plain training's, byte for byte; DiLoCo adds the outer model and
@@ -175,8 +176,9 @@ def test_memory_per_device(mesh_name):
     assert diloco["temp_bytes"] <= 1.02 * plain["temp_bytes"]
 
 
-@pytest.mark.parametrize("config", ["vanilla", "v1_alpha05"])
-@pytest.mark.parametrize("mesh_name", ["2x2data", "2x2datax2fsdp"])
+@pytest.mark.parametrize("mesh_name,config", [("2x2data", "v1_alpha05"), ("2x2datax2fsdp", "vanilla"),
+                                              pytest.param("2x2data", "vanilla", marks=pytest.mark.slow),
+                                              pytest.param("2x2datax2fsdp", "v1_alpha05", marks=pytest.mark.slow)])
 def test_steps_without_an_event_communicate_like_plain_training(mesh_name, config):
     """The collectives that run on every step are exactly plain training's on the same
     island mesh (the inner step's reductions inside each island): the state is never

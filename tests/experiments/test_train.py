@@ -61,6 +61,7 @@ def test_ddp_and_vanilla_modes_run(tmp_path):
             assert steps[-1]["comm_bytes_per_island"] == 2 * 2 * meta["model"]["params"] * 4
 
 
+@pytest.mark.slow  # two end-to-end runs
 def test_islands_of_data_2_by_fsdp_2_train_like_one_device(tmp_path):
     """--devices 2 --data-parallel 2 --fsdp 2: 2 islands of 4 devices, each splitting its
     rows over "data" and its parameters over "fsdp"; the same losses as islands vmapped on

@@ -63,7 +63,8 @@ def test_bad_knob_is_a_clear_error(capsys):
     assert "compression must be one of" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("data,fsdp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("data,fsdp", [pytest.param(2, 1, marks=pytest.mark.slow),
+                                       pytest.param(1, 2, marks=pytest.mark.slow), (2, 2)])
 def test_island_mesh_bytes(data, fsdp):
     """Islands of data × fsdp devices: each island still sends each fragment once per sync
     (the outer copy is split over its devices, each sending its piece), so the per-island
