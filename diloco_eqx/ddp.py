@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
 from diloco_eqx import mesh as mesh_lib
-from diloco_eqx.metrics import StepMetrics, check_batch
+from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.state import owned_copy
 from diloco_eqx.step import LossFn
 from diloco_eqx.sync import tree_norm
@@ -97,7 +97,6 @@ class DDPStep:
         self._step = eqx.filter_jit(partial(run_ddp_step, plan), donate="all-except-first")
 
     def place_batch(self, batch: PyTree) -> PyTree:
-        check_batch(batch, self.plan.num_replicas)
         return mesh_lib.place_island_batches(batch, self.plan.num_replicas, self.plan.mesh)
 
     def __call__(self, state: DDPState, batch: PyTree) -> tuple[DDPState, StepMetrics]:

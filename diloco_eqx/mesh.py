@@ -152,11 +152,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(AXIS, DATA) if DATA in mesh.axis_names else ISLANDS)
 
 
+def check_batch(batch: PyTree, num_replicas: int) -> int:
+    """GBS of a batch; ValueError unless every leaf has the same GBS, divisible by K."""
+    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"every batch leaf needs the same leading global-batch axis; got sizes {sizes}"
+        )
+    gbs = sizes.pop()
+    if gbs % num_replicas:
+        raise ValueError(
+            f"global batch size (GBS)={gbs} must be divisible by num_replicas (K)="
+            f"{num_replicas}: each island takes GBS/K rows"
+        )
+    return gbs
+
+
 def place_island_batches(batch: PyTree, num_replicas: int, mesh: Mesh | None) -> PyTree:
     """A flat (GBS, ...) batch as island-major (K, GBS/K, ...) arrays on the mesh: island k
     takes rows [k·GBS/K, (k+1)·GBS/K), spread over its "data" devices. The reshape happens
     on the host, before placement: reshaping a sharded batch inside the step would let the
-    state's layout drift (and the step compile twice)."""
+    state's layout drift (and the step compile twice). ValueError unless K divides GBS."""
+    check_batch(batch, num_replicas)
     batches = jax.tree.map(lambda x: np.asarray(x).reshape(num_replicas, -1, *np.shape(x)[1:]), batch)
     return batches if mesh is None else jax.device_put(batches, batch_sharding(mesh))
 

@@ -1,12 +1,11 @@
-"""What a step reports: the metrics fetched lazily to the host, and the checks a batch passes."""
+"""What a step reports: the metrics fetched lazily to the host."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-import jax
 import numpy as np
-from jaxtyping import Array, PyTree
+from jaxtyping import Array
 
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx.schedule import Schedule
@@ -81,19 +80,3 @@ class StepMetrics(Mapping):
 
     def __repr__(self) -> str:
         return f"StepMetrics({self._fetch()})"
-
-
-def check_batch(batch: PyTree, num_replicas: int) -> int:
-    """GBS of a batch; ValueError unless every leaf has the same GBS, divisible by K."""
-    sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(
-            f"every batch leaf needs the same leading global-batch axis; got sizes {sizes}"
-        )
-    gbs = sizes.pop()
-    if gbs % num_replicas:
-        raise ValueError(
-            f"global batch size (GBS)={gbs} must be divisible by num_replicas (K)="
-            f"{num_replicas}: each island takes GBS/K rows"
-        )
-    return gbs

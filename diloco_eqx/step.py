@@ -37,7 +37,7 @@ from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import sync
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
-from diloco_eqx.metrics import StepMetrics, check_batch
+from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.state import DiLoCoState, state_shardings, state_specs
 from diloco_eqx.sync import SyncMetrics
 
@@ -77,19 +77,20 @@ class Plan:
 
     def pin_islands(self, tree: PyTree) -> PyTree:
         """Island leaves (a leading island axis) kept in their layout inside an island."""
-        specs = self.param_specs or mesh_lib.default_param_specs(self.mesh)
-        return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, True, specs))
+        return self._pin(tree, True, mesh_lib.default_param_specs)
 
     def pin_like_island(self, tree: PyTree) -> PyTree:
         """Outer leaves laid out like one island's (gathered over "data" inside the island),
         before they are written into the islands."""
-        specs = self.param_specs or mesh_lib.default_param_specs(self.mesh)
-        return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, False, specs))
+        return self._pin(tree, False, mesh_lib.default_param_specs)
 
     def pin_outer(self, tree: PyTree) -> PyTree:
         """Outer leaves kept in their layout (split over the island's devices)."""
-        specs = self.param_specs or mesh_lib.default_outer_specs(self.mesh)
-        return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, False, specs))
+        return self._pin(tree, False, mesh_lib.default_outer_specs)
+
+    def _pin(self, tree: PyTree, on_islands: bool, default) -> PyTree:
+        specs = self.param_specs or default(self.mesh)
+        return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, on_islands, specs))
 
     def for_model(self, model: eqx.Module) -> Plan:
         return dataclasses.replace(self, fragments=Fragmentation.from_model(model, self.cfg, self.layers))
@@ -398,7 +399,6 @@ class TrainStep:
 
     def place_batch(self, batch: PyTree) -> PyTree:
         """A flat (GBS, ...) batch as placed island-major (K, GBS/K, ...) arrays."""
-        check_batch(batch, self.plan.num_islands)
         return mesh_lib.place_island_batches(batch, self.plan.num_islands, self.plan.mesh)
 
     def __call__(self, state: DiLoCoState, batch: PyTree) -> tuple[DiLoCoState, StepMetrics]:
