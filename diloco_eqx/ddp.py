@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
 from diloco_eqx import mesh as mesh_lib
+from diloco_eqx.islands import ShardMapIslands
 from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.state import owned_copy
 from diloco_eqx.step import LossFn
@@ -66,9 +67,10 @@ def ddp_body(plan: DDPPlan, static, arrays, opt_state, step, island_batches):
     model = eqx.combine(arrays, static)
     # Differentiate a per-device copy: through the replicated model itself, JAX's transpose
     # would already sum the gradient over the axis (D times too large after the mean below).
-    local = eqx.combine(mesh_lib.island_local(arrays, plan.mesh), static)
+    islands = ShardMapIslands(plan.mesh, plan.num_replicas)
+    local = eqx.combine(islands.local(arrays), static)
     losses, grads = jax.vmap(lambda b: eqx.filter_value_and_grad(plan.loss_fn)(local, b))(island_batches)
-    grads = mesh_lib.mean_over_islands(grads, plan.mesh)
+    grads = islands.mean(grads)
     updates, opt_state = plan.optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
     model = eqx.apply_updates(model, updates)
     return eqx.filter(model, eqx.is_array), opt_state, step + 1, losses, tree_norm(grads)
@@ -77,8 +79,8 @@ def ddp_body(plan: DDPPlan, static, arrays, opt_state, step, island_batches):
 def run_ddp_step(plan: DDPPlan, batches: PyTree, state: DDPState):
     arrays, static = eqx.partition(state.model, eqx.is_array)
     r, i = mesh_lib.REPLICATED, mesh_lib.ISLANDS
-    body = mesh_lib.shard_islands(partial(ddp_body, plan, static), plan.mesh,
-                                  in_specs=(r, r, r, i), out_specs=(r, r, r, i, r))
+    body = ShardMapIslands(plan.mesh, plan.num_replicas).program(
+        partial(ddp_body, plan, static), in_specs=(r, r, r, i), out_specs=(r, r, r, i, r))
     arrays, opt_state, t, losses, grad_norm = body(arrays, state.opt_state, state.step, batches)
     new = DDPState(eqx.combine(arrays, static), opt_state, t)
     layout = _layout(state, plan.mesh, plan.param_specs)

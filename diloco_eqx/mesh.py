@@ -1,17 +1,15 @@
-"""The mesh: where islands live, and the island operations the step uses.
+"""The mesh: where islands live and how every leaf is laid out on it.
 
 The mesh has a `diloco` axis of size D and, inside each island, optional `data` and `fsdp`
 axes (`make_mesh(diloco=D, data=n, fsdp=m)`); `diloco` is outermost, so each island is a
 contiguous block of devices (on several hosts: islands across hosts, the inner axes within
-one). Each device slice of the diloco axis holds K/D islands and maps over them
-(`map_islands`). The step is manual over `diloco` only (`shard_islands`): what crosses
-islands goes through `sum_over_islands` (a local sum over a slice's islands, then
-`lax.psum` over the axis) or `gather_islands` (an all-gather of packed payloads), while
-inside an island the `data` and `fsdp` axes are left to GSPMD. An island's leaves are laid
-out by `leaf_spec` (each leaf's largest axis divisible by the fsdp size is split over `fsdp`);
-the outer model and its optimizer state, one copy per island, by `outer_leaf_spec` (split
-over all of an island's data × fsdp devices), so each island sends each fragment across
-islands once, in n·m pieces, not once per data replica. A `param_specs` hook replaces both.
+one). Each device slice of the diloco axis holds K/D islands. How the step reaches across
+islands is `islands.py`'s business; inside an island the `data` and `fsdp` axes are left to
+GSPMD, held to the layouts below by `pin`. An island's leaves are laid out by `leaf_spec`
+(each leaf's largest axis divisible by the fsdp size is split over `fsdp`); the outer model
+and its optimizer state, one copy per island, by `outer_leaf_spec` (further split over the
+island's data devices), so each island sends each fragment across islands once, in
+n·m pieces, not once per data replica. A `param_specs` hook replaces both.
 With `mesh=None` every island lives on one device and no collective exists.
 """
 
@@ -22,7 +20,6 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -102,15 +99,24 @@ def default_param_specs(mesh: Mesh | None) -> ParamSpecs:
 
 def outer_leaf_spec(leaf, data: int, fsdp: int) -> P:
     """The default layout of an outer leaf (one copy per island, so each island may split it
-    over all its devices): its largest axis that data·fsdp divides split over ("data",
-    "fsdp"); else as `leaf_spec`."""
+    over all its devices): the island layout (`leaf_spec`) split further over "data" — the
+    fsdp-split axis over ("fsdp", "data") where its size allows, or with fsdp = 1 the largest
+    axis that data divides. Fsdp-major, so each device's outer piece lies inside its own
+    island shard: moving between the two layouts is a local slice or an all-gather over
+    "data", never a permutation."""
     shape = tuple(np.shape(leaf))
-    n = data * fsdp
-    axes = [i for i, k in enumerate(shape) if n > 1 and k % n == 0]
-    if data == 1 or not axes:
-        return leaf_spec(leaf, fsdp)
+    island = leaf_spec(leaf, fsdp)
+    if data == 1:
+        return island
+    if fsdp > 1:
+        if not island or shape[len(island) - 1] % (fsdp * data):
+            return island
+        return P(*island[:-1], (FSDP, DATA))
+    axes = [i for i, k in enumerate(shape) if k % data == 0]
+    if not axes:
+        return island
     best = max(axes, key=lambda i: (shape[i], -i))
-    return P(*[(DATA, FSDP) if i == best else None for i in range(best + 1)])
+    return P(*[DATA if i == best else None for i in range(best + 1)])
 
 
 def default_outer_specs(mesh: Mesh | None) -> ParamSpecs:
@@ -188,73 +194,6 @@ def check_divides(num_replicas: int, mesh: Mesh | None) -> int:
             f"{[n for n in range(1, num_replicas + 1) if num_replicas % n == 0]})"
         )
     return num_replicas // d
-
-
-def shard_islands(
-    fn: Callable, mesh: Mesh | None, in_specs: PyTree, out_specs: PyTree
-) -> Callable:
-    """Run `fn` once per device slice of the diloco axis (or as-is without a mesh): manual
-    over "diloco" only, so the island axes inside are left to GSPMD. With one slice, `fn`
-    runs as-is (all islands on it) and GSPMD lays out the rest."""
-    if not _crosses(mesh):
-        return fn
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names={AXIS})
-
-
-def map_islands(fn: Callable, *trees: PyTree) -> PyTree:
-    """`fn` on each of this device's islands (the leading axis of every array leaf of
-    arrays-only trees)."""
-    return jax.vmap(fn)(*trees)
-
-
-def mean_over_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
-    """Mean over the leading island axis of every leaf, across all K islands."""
-
-    def mean(x):
-        local = jnp.mean(x, axis=0)
-        return lax.pmean(local, AXIS) if _crosses(mesh) else local
-
-    return jax.tree.map(mean, tree)
-
-
-def sum_over_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
-    """Sum over the leading island axis of every leaf, across all K islands."""
-
-    def total(x):
-        local = jnp.sum(x, axis=0)
-        return lax.psum(local, AXIS) if _crosses(mesh) else local
-
-    return jax.tree.map(total, tree)
-
-
-def _crosses(mesh: Mesh | None) -> bool:
-    """Whether islands sit on more than one device slice. With one slice every cross-island
-    operation is local and the step is not manual over "diloco" at all (XLA's partitioner
-    rejects a collective over a size-1 manual axis whose operand other axes split)."""
-    return mesh is not None and mesh.shape[AXIS] > 1
-
-
-def island_ids(num_replicas: int, mesh: Mesh | None) -> jax.Array:
-    """Global indices (0..K-1) of the islands on this device slice, in local order."""
-    per_slice = num_replicas // axis_size(mesh)
-    first = lax.axis_index(AXIS) * per_slice if _crosses(mesh) else 0
-    return first + jnp.arange(per_slice, dtype=jnp.int32)
-
-
-def gather_islands(tree: PyTree, mesh: Mesh | None) -> PyTree:
-    """Every island's leaves on every device: (K/D, ...) per slice -> (K, ...), in island
-    order. An all-gather moves the leaves as they are, so compressed payloads stay compressed."""
-    if not _crosses(mesh):
-        return tree
-    return jax.tree.map(lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True, to="invarying"), tree)
-
-
-def island_local(tree: PyTree, mesh: Mesh | None) -> PyTree:
-    """Replicated values (the outer model) as per-island ones, for writing into islands:
-    shard_map's type check requires both branches of a `lax.cond` to agree."""
-    if not _crosses(mesh):
-        return tree
-    return jax.tree.map(lambda x: lax.pcast(x, AXIS, to="varying"), tree)
 
 
 def to_host(tree: PyTree) -> PyTree:

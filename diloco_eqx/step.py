@@ -14,8 +14,9 @@ on that stash — work that nothing in its inner step depends on, so the collect
 while the inner step computes (`analysis.critical_path` checks it). The numbers are those
 of the direct form (`direct_step`).
 
-Everything runs inside `jax.shard_map` over the "diloco" axis, on the array leaves of the
-state; the shard_map specs come from the state's fields (`state_specs`).
+Every cross-island operation goes through the plan's `Islands` backend (`islands.py`): by
+default the body runs inside `jax.shard_map` over the "diloco" axis, with specs from the
+state's fields (`state_specs`); with `backend="drjax"` it is a drjax program under plain jit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import sync
+from diloco_eqx.islands import Islands, make_islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.metrics import StepMetrics
@@ -57,6 +59,7 @@ class Plan:
     layers: Callable[[Any], Any]
     deferred: bool
     param_specs: mesh_lib.ParamSpecs | None = None
+    backend: str = "shard_map"
     fragments: Fragmentation | None = None
 
     @property
@@ -72,21 +75,24 @@ class Plan:
         return self.cfg.num_replicas
 
     @property
-    def local_islands(self) -> int:
-        return self.cfg.num_replicas // mesh_lib.axis_size(self.mesh)
+    def islands(self) -> Islands:
+        """The island operations of the chosen backend."""
+        return make_islands(self.backend, self.mesh, self.cfg.num_replicas)
 
-    def pin_islands(self, tree: PyTree) -> PyTree:
-        """Island leaves (a leading island axis) kept in their layout inside an island."""
-        return self._pin(tree, True, mesh_lib.default_param_specs)
-
-    def pin_like_island(self, tree: PyTree) -> PyTree:
-        """Outer leaves laid out like one island's (gathered over "data" inside the island),
-        before they are written into the islands."""
-        return self._pin(tree, False, mesh_lib.default_param_specs)
+    def pin_islands(self, tree: PyTree, like_outer: bool = False) -> PyTree:
+        """Island leaves (a leading island axis) kept in their layout inside an island, or in
+        the outer leaves' layout (`like_outer`: split over all of the island's devices)."""
+        return self._pin(tree, True, mesh_lib.default_outer_specs if like_outer else mesh_lib.default_param_specs)
 
     def pin_outer(self, tree: PyTree) -> PyTree:
         """Outer leaves kept in their layout (split over the island's devices)."""
         return self._pin(tree, False, mesh_lib.default_outer_specs)
+
+    def on_islands(self, tree: PyTree, like_outer: bool = False) -> PyTree:
+        """Outer leaves copied to each island the body sees (a leading island axis), laid out
+        like an island's leaves, or `like_outer`. Any reshard then happens inside each island:
+        from a value replicated over the islands, GSPMD may fetch pieces from any of them."""
+        return self.pin_islands(self.islands.broadcast(tree), like_outer)
 
     def _pin(self, tree: PyTree, on_islands: bool, default) -> PyTree:
         specs = self.param_specs or default(self.mesh)
@@ -150,7 +156,7 @@ def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree,
         updates, opt_state = plan.inner_optimizer.update(grads, opt_state, params(model))
         return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), opt_state, loss
 
-    return mesh_lib.map_islands(one, inner, inner_opt, batches)
+    return plan.islands.map(one, inner, inner_opt, batches)
 
 
 # ---------------------------------------------------------------- sync of one fragment
@@ -159,23 +165,23 @@ def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree,
 def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree) -> PyTree:
     """Each island's pseudo-gradient of fragment f (no communication)."""
     take = plan.fragments.take
-    outer_f = take(params(outer), f)
+    outer_f = plan.on_islands(take(params(outer), f), like_outer=True)
     inner = plan.pin_islands(inner)  # the islands are read where they live, not moved first
-    return mesh_lib.map_islands(lambda m: sync.pseudo_gradient(outer_f, take(params(m), f)), inner)
+    deltas = plan.islands.map(lambda m, o: sync.pseudo_gradient(o, take(params(m), f)), inner, outer_f)
+    return plan.pin_islands(deltas, like_outer=True)
 
 
 def exchange_fragment(plan: Plan, f: int, t_sync, deltas, outer, outer_opt, residual):
     """The mean of fragment f's pseudo-gradients over the islands that contribute to the sync
     at `t_sync`, and one outer step on f with f's own optimizer state. If no island
     contributes, the outer fragment and its state stay as they were."""
-    frags, mesh = plan.fragments, plan.mesh
+    frags, islands = plan.fragments, plan.islands
     outer_f = frags.take(params(outer), f)
-    ok = ~plan.cfg.fault_model.missing(t_sync, mesh_lib.island_ids(plan.num_islands, mesh), deltas)
-    res_f = None if residual is None else mesh_lib.map_islands(lambda r: frags.take(r, f), residual)
-    mean, count, res_f, err = sync.mean_pseudo_gradient(
-        plan.cfg.codec, deltas, ok, res_f, outer_f, plan.num_islands, mesh)
+    ok = ~plan.cfg.fault_model.missing(t_sync, islands.ids(), deltas)
+    res_f = None if residual is None else islands.map(lambda r: frags.take(r, f), residual)
+    mean, count, res_f, err = sync.mean_pseudo_gradient(plan.cfg.codec, deltas, ok, res_f, outer_f, islands)
     if residual is not None:
-        residual = mesh_lib.map_islands(lambda r, e: frags.put(r, f, e), residual, res_f)
+        residual = islands.map(lambda r, e: frags.put(r, f, e), residual, res_f)
     new_f, new_opt, update = sync.outer_step(plan.outer_optimizer, mean, outer_opt[f], outer_f)
     anyone = count > 0
     new_f = sync.keep_if(anyone, new_f, outer_f)
@@ -196,18 +202,18 @@ def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, resi
     """The exchange of the sync stashed at `t_sync` (the previous step): reads only the stash
     and the outer state, never this step's inner work."""
     with jax.named_scope(f"fragment_{f}"):
-        deltas = mesh_lib.map_islands(lambda p: plan.fragments.take(p, f), pending)
+        deltas = plan.islands.map(lambda p: plan.fragments.take(p, f), pending)
         return exchange_fragment(plan, f, t_sync, deltas, outer, outer_opt, residual)
 
 
 def stash_fragment(plan: Plan, f: int, inner, outer, pending):
     """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step."""
     deltas = island_deltas(plan, f, inner, outer)
-    return mesh_lib.map_islands(lambda p, d: plan.fragments.put(p, f, d), plan.pin_islands(pending), deltas)
+    return plan.islands.map(lambda p, d: plan.fragments.put(p, f, d), plan.pin_islands(pending), deltas)
 
 
 def no_exchange(plan: Plan, _, outer, outer_opt, residual):
-    zeros = SyncMetrics.zeros(plan.local_islands, not plan.cfg.codec.lossless, plan.mesh)
+    zeros = SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
     return outer, outer_opt, residual, zeros
 
 
@@ -242,27 +248,32 @@ def stash_stage(plan: Plan, t, inner, outer, pending):
 # ---------------------------------------------------------------- apply of one fragment
 
 
-def apply_fragment(plan: Plan, f: int, inner, outer):
-    """Every island takes outer fragment f, blended with α; also says which islands' own
-    fragment f was not finite (those are reset instead)."""
+def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
+    """Every island takes outer fragment f, blended with α; an island whose own fragment f
+    was not finite is reset instead (`reset_islands`). Returns (islands, their optimizer
+    states, which were reset)."""
     take, put = plan.fragments.take, plan.fragments.put
-    outer_f = plan.pin_like_island(take(mesh_lib.island_local(params(outer), plan.mesh), f))
-
+    outer_f = plan.on_islands(take(params(outer), f))
     inner = plan.pin_islands(inner)
 
-    def one(island):
+    def one(island, o):
         own = take(params(island), f)
-        return put(island, f, sync.blend(own, outer_f, plan.alpha)), ~sync.all_finite(own)
+        return put(island, f, sync.blend(own, o, plan.alpha)), ~sync.all_finite(own)
 
-    return mesh_lib.map_islands(one, inner)
+    inner, bad = plan.islands.map(one, inner, outer_f)
+    if not plan.islands.local_branches:  # a branch on `bad` would gather it from every island
+        return (*reset_islands(plan, bad, inner, inner_opt, outer), bad)
+    inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
+                                   bad, inner, inner_opt, outer, pin=plan.pin_islands)
+    return inner, inner_opt, bad
 
 
 def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
     """Islands flagged in `bad` take the outer model (in their own dtypes), and every leaf
     of their inner optimizer state that is not finite restarts from `init` on it (finite
     leaves, such as step counts, are kept so schedules continue)."""
-    fresh = sync.cast_like(plan.pin_like_island(params(outer)), params(inner))
-    fresh_opt = plan.inner_optimizer.init(fresh)
+    fresh = sync.cast_like(plan.on_islands(params(outer)), params(inner))
+    fresh_opt = plan.islands.map(plan.inner_optimizer.init, fresh)
 
     def pick(x, new, only_non_finite):
         if not eqx.is_inexact_array(x):
@@ -270,7 +281,7 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
         drop = bad
         if only_non_finite:
             drop = drop & ~jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
-        return jnp.where(drop.reshape(-1, *[1] * (x.ndim - 1)), new[None], x)
+        return jnp.where(drop.reshape(-1, *[1] * (x.ndim - 1)), new, x)
 
     new_params = jax.tree.map(lambda x, n: pick(x, n, False), params(inner), fresh)
     inner = eqx.combine(new_params, eqx.filter(inner, eqx.is_inexact_array, inverse=True))
@@ -278,18 +289,14 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
 
 
 def apply_stage(plan: Plan, t, inner, inner_opt, outer):
-    """The apply of fragment f(t−V), if t is an apply step; then the reset of any island
-    found non-finite. Returns (islands, their optimizer states, which were reset)."""
+    """The apply of fragment f(t−V), if t is an apply step (with the reset of any island
+    found non-finite). Returns (islands, their optimizer states, which were reset)."""
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [partial(apply_fragment, plan, f) for f in range(p)]
-    none = mesh_lib.island_local(jnp.zeros((plan.local_islands,), bool), plan.mesh)
-    inner, bad = on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
-                             lambda i, o: (i, none), inner, outer,
-                             pin=lambda out: (plan.pin_islands(out[0]), out[1]))
-    inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
-                                   bad, inner, inner_opt, mesh_lib.island_local(params(outer), plan.mesh),
-                                   pin=plan.pin_islands)
-    return inner, inner_opt, bad
+    none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
+    return on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
+                       lambda i, o_s, o: (i, o_s, none), inner, inner_opt, params(outer),
+                       pin=lambda out: (*plan.pin_islands(out[:2]), out[2]))
 
 
 # ---------------------------------------------------------------- whole steps
@@ -361,8 +368,8 @@ def run_step(plan: Plan, batches: PyTree, state: DiLoCoState) -> tuple[DiLoCoSta
         return mesh_lib.pin(new, layout), report
 
     specs = state_specs(arrays)
-    body = mesh_lib.shard_islands(body, plan.mesh, in_specs=(specs, mesh_lib.ISLANDS),
-                                  out_specs=(specs, StepReport.specs(not plan.cfg.codec.lossless)))
+    body = plan.islands.program(body, in_specs=(specs, mesh_lib.ISLANDS),
+                                out_specs=(specs, StepReport.specs(not plan.cfg.codec.lossless)))
     new, report = body(arrays, batches)
     return eqx.combine(mesh_lib.pin(new, layout), static), report.as_dict()
 
@@ -370,8 +377,8 @@ def run_step(plan: Plan, batches: PyTree, state: DiLoCoState) -> tuple[DiLoCoSta
 def run_settle(plan: Plan, state: DiLoCoState) -> eqx.Module:
     plan = plan.for_model(state.outer)
     arrays, static = eqx.partition(state, eqx.is_array)
-    body = mesh_lib.shard_islands(partial(settled_outer, plan), plan.mesh,
-                                  in_specs=(state_specs(arrays),), out_specs=mesh_lib.REPLICATED)
+    body = plan.islands.program(partial(settled_outer, plan), in_specs=(state_specs(arrays),),
+                                out_specs=mesh_lib.REPLICATED)
     return eqx.combine(body(arrays), static.outer)
 
 
@@ -407,19 +414,25 @@ class TrainStep:
     def step_placed(self, state: DiLoCoState, batches: PyTree) -> tuple[DiLoCoState, StepMetrics]:
         """The step on batches already island-major and placed (multi-process runs build
         them from each process's rows)."""
-        state, device_metrics = self._step(batches, state)
+        with self.plan.islands.context():
+            state, device_metrics = self._step(batches, state)
         return state, StepMetrics(device_metrics, self.schedule, exchange_delay=int(self.deferred))
 
     def outer_model(self, state: DiLoCoState) -> eqx.Module:
         """The outer model with every sync up to state.step applied (with the deferred
         exchange, a sync at the last step is folded in here; the state is not changed)."""
-        return self._settle(state) if self.deferred else state.outer
+        if not self.deferred:
+            return state.outer
+        with self.plan.islands.context():
+            return self._settle(state)
 
     def lower(self, state: DiLoCoState, batch: PyTree) -> jax.stages.Lowered:
-        return self._step.lower(self.place_batch(batch), state).lowered
+        with self.plan.islands.context():
+            return self._step.lower(self.place_batch(batch), state).lowered
 
     def jaxpr(self, state: DiLoCoState, batch: PyTree) -> jax.extend.core.ClosedJaxpr:
-        return eqx.filter_make_jaxpr(partial(run_step, self.plan))(self.place_batch(batch), state)[0]
+        with self.plan.islands.context():
+            return eqx.filter_make_jaxpr(partial(run_step, self.plan))(self.place_batch(batch), state)[0]
 
 
 def make_train_step(
@@ -432,6 +445,7 @@ def make_train_step(
     layers: Callable[[Any], Any] = default_layers,
     deferred: bool | None = None,
     param_specs: mesh_lib.ParamSpecs | None = None,
+    backend: str = "shard_map",
 ) -> TrainStep:
     """The global step for `cfg`: `train_step(state, batch) -> (state, metrics)`.
 
@@ -443,6 +457,10 @@ def make_train_step(
     step after its sync, off the inner step's critical path; the numbers do not change.
     `mesh` may have "data" and "fsdp" axes inside each island (`make_mesh(diloco=D, data=n,
     fsdp=m)`); `param_specs` replaces the default layout there (give init_state the same).
+    `backend` says how the step reaches across islands: "shard_map" (manual over the diloco
+    axis, every cross-island collective written out) or "drjax" (MaxText's formulation:
+    drjax's map and reduce under plain jit, collectives chosen by GSPMD); same numbers, same
+    state.
     """
     if deferred is None:
         deferred = cfg.streaming and cfg.overlap_steps >= 1
@@ -452,5 +470,6 @@ def make_train_step(
             "outer fragment is applied in the same step it is synced"
         )
     mesh_lib.check_divides(cfg.num_replicas, mesh)
+    make_islands(backend, mesh, cfg.num_replicas)  # an unknown backend fails here, by name
     outer_tx = sync.outer_optimizer(cfg) if outer_optimizer is None else outer_optimizer
-    return TrainStep(Plan(cfg, loss_fn, inner_optimizer, outer_tx, mesh, layers, deferred, param_specs))
+    return TrainStep(Plan(cfg, loss_fn, inner_optimizer, outer_tx, mesh, layers, deferred, param_specs, backend))

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
-from diloco_eqx import codecs, mesh as mesh_lib
+from diloco_eqx import codecs
 from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.islands import Islands
 
 
 def outer_optimizer(cfg: DiLoCoConfig) -> optax.GradientTransformation:
@@ -41,11 +41,11 @@ class SyncMetrics(eqx.Module):
     """Per island on this device: ‖decoded − sent‖ / ‖sent‖ (None without compression)."""
 
     @classmethod
-    def zeros(cls, local_islands: int, compressed: bool, mesh: Mesh | None) -> SyncMetrics:
+    def zeros(cls, islands: Islands, compressed: bool) -> SyncMetrics:
         zero = jnp.zeros((), jnp.float32)
         err = None
         if compressed:
-            err = mesh_lib.island_local(jnp.zeros((local_islands,), jnp.float32), mesh)
+            err = islands.local(jnp.zeros((islands.local_count,), jnp.float32))
         return cls(zero, zero, jnp.zeros((), jnp.int32), err)
 
 
@@ -136,26 +136,24 @@ def mean_pseudo_gradient(
     ok: Bool[Array, " k_local"],
     residual: PyTree | None,
     like: PyTree,
-    num_replicas: int,
-    mesh: Mesh | None,
+    islands: Islands,
 ) -> tuple[PyTree, Int[Array, ""], PyTree | None, Float[Array, " k_local"] | None]:
     """(mean over contributing islands, their number, new residual, per-island relative
-    coding error). `deltas`/`residual` have a leading axis over this device's islands;
+    coding error). `deltas`/`residual` have a leading axis over the islands the body sees;
     `like` is one island's fragment (the shapes to decode into). Islands that do not
     contribute send zeros and keep their residual."""
     if codec.lossless:
-        total = mesh_lib.sum_over_islands(jax.tree.map(lambda x: _per_island(ok, x, 0.0), deltas), mesh)
-        count = mesh_lib.sum_over_islands(ok.astype(jnp.int32), mesh)
+        total = islands.sum(jax.tree.map(lambda x: _per_island(ok, x, 0.0), deltas))
+        count = islands.sum(ok.astype(jnp.int32))
         return _divide(total, count), count, residual, None
 
     sent = deltas if residual is None else jax.tree.map(jnp.add, deltas, residual)
     sent = jax.tree.map(lambda x: _per_island(ok, x, 0.0), sent)
     payload = jax.vmap(lambda d: codecs.tree_encode(codec, d))(sent)
-    every_ok = mesh_lib.gather_islands(ok, mesh)
-    decoded = jax.vmap(lambda p: codecs.tree_decode(codec, p, like))(mesh_lib.gather_islands(payload, mesh))
-    # what the others received from this device's islands: their rows of the decoded set
-    ids = mesh_lib.island_ids(num_replicas, mesh)
-    err = jax.tree.map(lambda s, d: s - d[ids], sent, decoded)
+    every_ok = islands.gather(ok)
+    decoded = islands.gather(payload, then=jax.vmap(lambda p: codecs.tree_decode(codec, p, like)))
+    # what the others received from the islands seen here: their rows of the decoded set
+    err = jax.tree.map(jnp.subtract, sent, islands.own_rows(decoded))
     if residual is not None:
         residual = jax.tree.map(lambda e, r: _per_island(ok, e, r), err, residual)
     rel_err = jax.vmap(lambda e, s: tree_norm(e) / tree_norm(s))(err, sent)

@@ -31,3 +31,16 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def getkey():
     keys = iter(jax.random.split(jax.random.key(0), 1000))
     return lambda: next(keys)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--backend", default="shard_map", choices=("shard_map", "drjax"),
+        help="the island backend make_train_step uses where a test names none: `pytest "
+             "--backend drjax` runs the whole suite (the reference grid included) on drjax")
+
+
+def pytest_configure(config):
+    from diloco_eqx import step
+
+    step.make_train_step.__kwdefaults__["backend"] = config.getoption("--backend")

@@ -30,12 +30,12 @@ def batches(steps, seed=1):
     return [rng.normal(size=(GBS, WIDTH)).astype(np.float32) for _ in range(steps)]
 
 
-def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None):
+def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None, **step_kwargs):
     """Per-step island losses, and the final state with any pending sync folded into its
     outer model (the deferred exchange of a sync at the last step happens in the next)."""
     model = make_toy(N_LAYERS, WIDTH) if model is None else model
     state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred, **step_kwargs)
     losses = []
     for x in data:
         state, m = step(state, x)

@@ -3,6 +3,7 @@
     python -m tools.benchmark                      # sizes 1M, 10M, 30M; mesh none and 2x1
     python -m tools.benchmark --sizes 1M 10M --meshes 2x1 2x2data 2x2fsdp 2x4fsdp
     python -m tools.benchmark --quick --json bench.json
+    python -m tools.benchmark --backends shard_map       # only the default backend's steps
 
 Everything is measured side by side in one process and reported as ratios to the plain step
 (K islands each taking an inner AdamW step, no DiLoCo logic), since absolute times on a shared
@@ -10,7 +11,9 @@ machine are noisy. Phases are timed one step at a time, interleaved across modes
 global step t set so that the step ends on a sync, an apply, or neither; "amortized" runs H_eff
 consecutive steps. Medians with the 10th–90th percentile spread. Meshes are named
 D x (devices per island) and the inner axis: "2x2fsdp" is 2 islands of 2 devices splitting
-the parameters (simulated host devices on CPU: they share the machine's cores).
+the parameters (simulated host devices on CPU: they share the machine's cores). Every DiLoCo
+step is measured on each backend (`--backends`): shard_map, and drjax as the modes ending in
+_drjax.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--meshes", nargs="+", choices=list(MESHES), default=None,
                         help="none: islands vmapped on one device; DxN<axis>: D islands of N "
                              "devices along the data and/or fsdp axes (2x1: one device each)")
+    parser.add_argument("--backends", nargs="+", choices=("shard_map", "drjax"), default=["shard_map", "drjax"],
+                        help="island backends of the DiLoCo steps (modes of drjax steps end in _drjax)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                            [s.name for s in SIZES]))]
     meshes = args.meshes or (["none"] if args.quick else ["none", "2x1"])
     reps = args.reps or (15 if args.quick else 25)
-    result = run(sizes, meshes, reps, args.sync_period, args.num_fragments)
+    result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> dict:
+def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, backends=("shard_map",)) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -123,11 +128,12 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
             steps = {
                 "plain": (plain_state, plain_step),
                 "ddp": (init_ddp_state(model, inner, mesh), make_ddp_step(K, loss_fn, inner, mesh)),
-                "diloco": (dl.init_state(model, inner, vanilla, mesh),
-                           dl.make_train_step(vanilla, loss_fn, inner, mesh)),
-                "streaming": (dl.init_state(model, inner, streaming, mesh),
-                              dl.make_train_step(streaming, loss_fn, inner, mesh)),
             }
+            for backend in backends:
+                for mode, cfg in (("diloco", vanilla), ("streaming", streaming)):
+                    steps[_mode(mode, backend)] = (dl.init_state(model, inner, cfg, mesh),
+                                                   dl.make_train_step(cfg, loss_fn, inner, mesh, backend=backend))
+            diloco_modes = [m for m in steps if m not in ("plain", "ddp")]
 
             placed = {mode: step.place_batch(batch_np) for mode, (_, step) in steps.items()}
             counts = {mode: profiling.CompileCount() for mode in steps}
@@ -152,16 +158,16 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
 
             s_st, s_va = sched["streaming"], sched["diloco"]
             dh = s_st.steps_between_syncs
-            jobs: dict[tuple[str, str], list[Callable]] = {
-                ("plain", "step"): [None],
-                ("ddp", "step"): [None],
-                ("diloco", "nonsync"): [at(5, "diloco")],
-                ("diloco", "sync"): [at(s_va.period, "diloco")],
-                ("streaming", "nonsync"): [at(5, "streaming")],
-                ("streaming", "sync"): [at(dh * j, "streaming") for j in range(1, num_fragments + 1)],
-                ("streaming", "apply"): [at(dh * j + 1, "streaming")
-                                         for j in range(1, num_fragments + 1)],
-            }
+            jobs: dict[tuple[str, str], list[Callable]] = {("plain", "step"): [None], ("ddp", "step"): [None]}
+            for backend in backends:
+                va, st = _mode("diloco", backend), _mode("streaming", backend)
+                jobs.update({
+                    (va, "nonsync"): [at(5, va)],
+                    (va, "sync"): [at(s_va.period, va)],
+                    (st, "nonsync"): [at(5, st)],
+                    (st, "sync"): [at(dh * j, st) for j in range(1, num_fragments + 1)],
+                    (st, "apply"): [at(dh * j + 1, st) for j in range(1, num_fragments + 1)],
+                })
             times = {key: [] for key in jobs}
             for rep in range(reps + 2):
                 for (mode, phase), setters in jobs.items():
@@ -177,10 +183,10 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
             # H_eff-step sequence, interleaved with the others in chunks of 10 steps so that
             # machine drift hits every mode alike; two blocks give every DiLoCo mode 2·H_eff
             # consecutive steps over every schedule position
-            amort = {"plain": [], "diloco": [], "streaming": []}
+            amort = {mode: [] for mode in ["plain", *diloco_modes]}
             period = max(sched["diloco"].period, sched["streaming"].period)
             for _ in range(amortized_blocks):
-                for mode in ("diloco", "streaming"):
+                for mode in diloco_modes:
                     steps[mode] = (jax.block_until_ready(at(1, mode)()), steps[mode][1])
                 spent = dict.fromkeys(amort, 0.0)
                 for start in range(0, period, 10):
@@ -192,7 +198,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
                         spent[mode] += time.perf_counter() - t0
                 for mode in amort:
                     amort[mode].append(spent[mode] / period)
-            for mode in ("diloco", "streaming"):
+            for mode in diloco_modes:
                 compilations[f"{label}/{mode}"] = {"count": counts[mode].count,
                                                    "compile_s": counts[mode].seconds,
                                                    "steps": ncalls[mode]}
@@ -208,7 +214,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
             amort_plain = float(np.median(amort["plain"]))
             for (mode, phase), ts in times.items():
                 rows.append(_row(np, size.name, mesh_name, mode, phase, ts, plain_median))
-            for mode in ("plain", "diloco", "streaming"):
+            for mode in amort:
                 rows.append(_row(np, size.name, mesh_name, mode, "amortized", amort[mode], amort_plain))
             devices = 1 if mesh is None else mesh.size
             fsdp = islands.axis_size(mesh, islands.FSDP)
@@ -230,7 +236,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
 
     first = next(iter(checks))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
-    diloco_mem = memory[f"{first}/streaming"]["resident_bytes"]
+    diloco_mem = memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"]
     size = sizes[0]
     low = _bfloat16_memory(Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
                                                          num_heads=size.heads, seq_len=size.seq_len),
@@ -240,8 +246,10 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2) -> 
     islands_per_device = K // (checks[first]["devices"] // checks[first]["devices_per_island"])
     m = checks[first]["fsdp"]
     modes = {  # the stash of the deferred exchange holds every island's |Θ| float32 values
-        "vanilla": ("diloco", 2 * n * 4 // m),
-        "streaming_deferred": ("streaming", (2 * n * 4 + islands_per_device * n * 4) // m),
+        _mode(name, backend): (_mode(mode, backend), want)
+        for backend in backends
+        for name, mode, want in (("vanilla", "diloco", 2 * n * 4 // m),
+                                 ("streaming_deferred", "streaming", (2 * n * 4 + islands_per_device * n * 4) // m))
     }
     return {
         "compilations": max(c["count"] for c in compilations.values()),
@@ -289,6 +297,10 @@ def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
             "expected_extra_bytes": 2 * n * 4, "param_bytes_bfloat16": 2 * n}
 
 
+def _mode(mode: str, backend: str) -> str:
+    return mode if backend == "shard_map" else f"{mode}_{backend}"
+
+
 def _set_step(state, t, mesh, eqx, jnp, islands):
     value = islands.place(jnp.asarray(t, jnp.int32), mesh, islands.REPLICATED)
     return eqx.tree_at(lambda s: s.step, state, value)
@@ -310,16 +322,17 @@ def _matmul_flops(jax, jnp, n=1024, reps=10) -> float:
 
 def _row(np, size, mesh, mode, phase, ts, plain):
     median = float(np.median(ts))
-    return {"size": size, "mesh": mesh, "mode": mode, "phase": phase, "median_s": median,
+    backend = "drjax" if mode.endswith("_drjax") else "shard_map"
+    return {"size": size, "mesh": mesh, "mode": mode, "backend": backend, "phase": phase, "median_s": median,
             "p10_s": float(np.percentile(ts, 10)), "p90_s": float(np.percentile(ts, 90)),
             "n": len(ts), "ratio_to_plain": median / plain}
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'size':>5} {'mesh':>4} {'mode':>10} {'phase':>9} {'median ms':>10} "
+    lines = [f"{'size':>5} {'mesh':>13} {'mode':>16} {'phase':>9} {'median ms':>10} "
              f"{'p10-p90 ms':>15} {'ratio':>7}"]
     for r in result["rows"]:
-        lines.append(f"{r['size']:>5} {r['mesh']:>4} {r['mode']:>10} {r['phase']:>9} "
+        lines.append(f"{r['size']:>5} {r['mesh']:>13} {r['mode']:>16} {r['phase']:>9} "
                      f"{1e3 * r['median_s']:>10.2f} {1e3 * r['p10_s']:>7.2f}-{1e3 * r['p90_s']:<7.2f}"
                      f"{r['ratio_to_plain']:>7.3f}")
     lines.append("")
@@ -331,7 +344,8 @@ def format_table(result: dict) -> str:
                      f"resident {m['resident_bytes']:,} B")
     for key, s in result["sizes"].items():
         plain = result["memory"]["all"][f"{key}/plain"]["resident_bytes"]
-        for mode in ("diloco", "streaming"):
+        for mode in [m for m in ("diloco", "streaming", "diloco_drjax", "streaming_drjax")
+                     if f"{key}/{m}" in result["memory"]["all"]]:
             extra = result["memory"]["all"][f"{key}/{mode}"]["resident_bytes"] - plain
             lines.append(f"{key} {mode}: extra resident {extra:,} B per device vs 2·|Θ|·4/fsdp = "
                          f"{s['expected_extra_bytes']:,} B (ratio {extra / s['expected_extra_bytes']:.3f})")

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p.add_argument_group("model"), run.model)
     add_flags(p.add_argument_group("data"), run.data, only=("seq_len", "global_batch"))
     p.add_argument("--devices", type=int, default=None, help="D, the diloco axis size (default: K)")
-    add_flags(p.add_argument_group("island mesh"), run, only=("data_parallel", "fsdp"))
+    add_flags(p.add_argument_group("island mesh"), run, only=("data_parallel", "fsdp", "backend"))
     p.add_argument("--json", default=None, help="write the measured figures here")
     return p
 
@@ -98,7 +98,7 @@ def measure(args: argparse.Namespace) -> dict:
     n, m = args.data_parallel, args.fsdp
     shape = (args.layers, args.width, args.heads, args.seq_len, args.global_batch, d, n, m)
     mesh = _mesh(d, n, m)
-    hlo = _step_hlo(cfg, *shape)
+    hlo = _step_hlo(cfg, *shape, args.backend)
     schedule = dl.Schedule.from_config(cfg)
     frag_params = dl.Fragmentation.from_model(_model(*shape[:4]), cfg).param_counts(
         _params(*shape[:4])
@@ -116,12 +116,12 @@ def measure(args: argparse.Namespace) -> dict:
     islands_per_slice, island_devices = k // d, n * m
     per_island = island_devices / islands_per_slice
     vanilla_cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=args.sync_period)
-    vanilla = comms.fragment_payload_bytes(_step_hlo(vanilla_cfg, *shape), 1, mesh)[0]
+    vanilla = comms.fragment_payload_bytes(_step_hlo(vanilla_cfg, *shape, args.backend), 1, mesh)[0]
     ddp = comms.every_step_payload_bytes(_ddp_hlo(k, *shape), mesh)
     b = compression.bits_per_value(cfg.compression) / 8
     num_params = sum(frag_params)
     return {
-        "config": {"num_replicas": k, "devices": d, "data_parallel": n, "fsdp": m,
+        "config": {"num_replicas": k, "devices": d, "data_parallel": n, "fsdp": m, "backend": args.backend,
                    "devices_per_island": island_devices, "sync_period": cfg.sync_period,
                    "streaming": cfg.streaming, "num_fragments": schedule.num_fragments,
                    "fragment_order": str(cfg.fragment_order), "overlap_steps": cfg.overlap_steps,
@@ -143,6 +143,11 @@ def measure(args: argparse.Namespace) -> dict:
                 "control_bytes": control[f] // islands_per_slice,
             }
             for f, p in enumerate(frag_params)
+        ],
+        "outside_syncs": [
+            {"kind": c.kind, "where": where, "bytes_per_device": c.payload_bytes + c.control_bytes,
+             "control": c.payload_bytes == 0, "op": c.op_name}
+            for c, where in comms.cross_island_outside_syncs(hlo, mesh)
         ],
         "vanilla_collective_bytes": round(vanilla * per_island),
         "ddp_collective_bytes_per_step": round(ddp * per_island),
@@ -181,7 +186,7 @@ def _batch(seq_len, global_batch):
 
 
 @functools.cache
-def _step_hlo(cfg, layers, width, heads, seq_len, global_batch, devices, data, fsdp) -> str:
+def _step_hlo(cfg, layers, width, heads, seq_len, global_batch, devices, data, fsdp, backend) -> str:
     import optax
 
     import diloco_eqx as dl
@@ -189,7 +194,7 @@ def _step_hlo(cfg, layers, width, heads, seq_len, global_batch, devices, data, f
 
     model, mesh, inner = _model(layers, width, heads, seq_len), _mesh(devices, data, fsdp), optax.adamw(1e-3)
     state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, loss_fn, inner, mesh)
+    step = dl.make_train_step(cfg, loss_fn, inner, mesh, backend=backend)
     return step.lower(state, _batch(seq_len, global_batch)).compile().as_text()
 
 
@@ -214,7 +219,8 @@ def format_report(r: dict) -> str:
               f"{c['fsdp']})" if c["devices_per_island"] > 1 else "one device per island slice")
     lines = [
         f"{mode}, K={c['num_replicas']} on a diloco axis of D={c['devices']}, {island}, "
-        f"H={c['sync_period']} (Δh={r['steps_between_syncs']}, H_eff={heff}), compression={c['compression']}",
+        f"H={c['sync_period']} (Δh={r['steps_between_syncs']}, H_eff={heff}), compression={c['compression']}, "
+        f"backend={c['backend']}",
         f"model: {c['layers']} layers × width {c['width']}: |Θ| = {r['num_params']:,} params "
         f"= {r['param_bytes']:,} bytes (float32)",
         "",
@@ -236,6 +242,11 @@ def format_report(r: dict) -> str:
                  f"{ring:>12,.0f} {formula:>12,.0f} {sum(f['inside_island_bytes_per_device'] for f in frags):>10,}")
     lines.append(f"(plus {max(f['control_bytes'] for f in frags)} bytes of control values per sync: "
                  "the count of contributing islands, or their mask)")
+    outside = r["outside_syncs"]
+    lines.append(f"cross-island collectives outside the sync branches: {len(outside) or 'none'}")
+    for o in outside:
+        lines.append(f"  {o['kind']} of {o['bytes_per_device']:,} bytes per device "
+                     f"({'control' if o['control'] else 'payload'}), {o['where']}: {o['op']}")
     n4 = r["param_bytes"]
     ddp, van = r["ddp_collective_bytes_per_step"], r["vanilla_collective_bytes"]
     h = c["sync_period"]

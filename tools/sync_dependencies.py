@@ -37,18 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     import diloco_eqx as dl
     from diloco_eqx.analysis import critical_path
     from models.transformer import loss_fn
-    from tools.comm_report import _model, config_from
+    from tools.comm_report import _mesh, _model, config_from
 
     try:
         cfg = config_from(args)
-        mesh = dl.make_mesh(d)
+        mesh = _mesh(d, args.data_parallel, args.fsdp)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     model = _model(args.layers, args.width, args.heads, args.seq_len)
     inner = optax.adamw(1e-3)
     state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, loss_fn, inner, mesh, deferred=False if args.direct else None)
+    step = dl.make_train_step(cfg, loss_fn, inner, mesh, deferred=False if args.direct else None,
+                              backend=args.backend)
     batch = np.zeros((args.global_batch or 2 * args.num_replicas, args.seq_len + 1), np.int32)
     a = critical_path.analyze(step.jaxpr(state, batch))
     form = "deferred exchange" if step.deferred else "direct form"

@@ -44,7 +44,8 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
 _FRAGMENT = re.compile(r"/fragment_(\d+)/")
 
@@ -63,16 +64,12 @@ class Collective:
     group_size: int = 1
     """Participants in each replica group (the diloco axis size D for the step's collectives)."""
     groups: tuple[tuple[int, ...], ...] | None = None
-    """Its replica groups as device ids, where XLA printed them as groups or an iota (for a
+    """Its replica groups as device ids, in whichever notation XLA printed them (for a
     collective-permute: its (source, target) pairs)."""
-    group_axes: frozenset[str] | None = None
-    """The mesh axes its groups span, where XLA printed them as mesh axes."""
 
     def axes(self, mesh) -> frozenset[str]:
         """The mesh axes along which the devices of one of its groups differ (e.g.
         {"diloco"}: it crosses islands; {"data"}: it stays inside an island)."""
-        if self.group_axes is not None:
-            return self.group_axes
         if not self.groups:  # no groups printed: one group of every device
             return frozenset(name for name in mesh.axis_names if mesh.shape[name] > 1)
         # SPMD programs number devices by their position in the mesh, row-major
@@ -179,7 +176,7 @@ def collectives(hlo: str) -> list[Collective]:
             op_name = _OP_NAME.search(line)
             found.append(
                 Collective(kind, name, comp, shapes, op_name.group(1) if op_name else "",
-                           group_size(line), replica_groups(line), mesh_group_axes(line))
+                           group_size(line), replica_groups(line))
             )
     return found
 
@@ -187,7 +184,7 @@ def collectives(hlo: str) -> list[Collective]:
 def group_size(line: str) -> int:
     """Participants per replica group of one collective, in any of the notations XLA prints:
     explicit groups `{{0,1},{2,3}}`, iota `[2,2]<=[4]`, or (newer XLA) mesh axes
-    `mesh['diloco'=2,'data'=2] {'diloco'}` (the product of the named axes' sizes)."""
+    `mesh['diloco'=2,'data'=2] {'diloco'}` (the product of the selected axes' sizes)."""
     groups = _GROUPS_LIST.search(line)
     if groups:
         return len(groups.group(1).split(","))
@@ -197,7 +194,7 @@ def group_size(line: str) -> int:
     mesh = _GROUPS_MESH.search(line)
     if mesh:
         sizes = {name: int(n) for name, n in _MESH_AXIS.findall(mesh.group(1))}
-        return math.prod(sizes[a.strip().strip("'")] for a in mesh.group(2).split(",") if a.strip())
+        return math.prod(sizes[a.strip().strip("'")] for a in mesh.group(4).split(",") if a.strip())
     return 1
 
 
@@ -207,9 +204,9 @@ _GROUPS_IOTA_FULL = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?
 
 
 def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
-    """The device ids of each replica group, from explicit groups or an iota
-    `[G,S]<=[dims]T(perm)` (iota over dims, transposed by perm, cut into G groups of S);
-    a collective-permute's `source_target_pairs` as groups of two."""
+    """The device ids of each replica group, from explicit groups, an iota
+    `[G,S]<=[dims]T(perm)` (iota over dims, transposed by perm, cut into G groups of S) or
+    mesh axes (`mesh_groups`); a collective-permute's `source_target_pairs` as groups of two."""
     pairs = _PAIRS.search(line)
     if pairs:
         return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
@@ -225,17 +222,29 @@ def replica_groups(line: str) -> tuple[tuple[int, ...], ...] | None:
         if iota.group(4):
             ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
         return tuple(tuple(int(i) for i in row) for row in ids.reshape(g, size))
+    mesh = _GROUPS_MESH.search(line)
+    if mesh:
+        return mesh_groups(*mesh.groups())
     return None
 
 
-def mesh_group_axes(line: str) -> frozenset[str] | None:
-    """The axes named by the mesh notation `mesh[...] {'diloco'}` of newer XLA."""
-    mesh = _GROUPS_MESH.search(line)
-    if not mesh:
-        return None
-    sizes = {name: int(n) for name, n in _MESH_AXIS.findall(mesh.group(1))}
-    named = {a.strip().strip("'") for a in mesh.group(2).split(",") if a.strip()}
-    return frozenset(a for a in named if sizes.get(a, 1) > 1)
+def mesh_groups(axes: str, ids_dims: str | None, ids_perm: str | None, selected: str):
+    """Groups of the mesh notation of newer XLA, `mesh['a'=2,'b'=4], device_ids=([2,2,2]T(0,2,1))
+    {'a'}`: devices (row-major over the axes, numbered by the optional iota `device_ids`) that
+    differ only along the selected axes form one group. The axes are XLA's (a shard_map
+    names them after the mesh; GSPMD calls them axis_0, axis_1, ...), so the groups, not the
+    names, say which of the user's mesh axes a collective spans."""
+    named = _MESH_AXIS.findall(axes)
+    names, sizes = [n for n, _ in named], [int(k) for _, k in named]
+    ids = np.arange(math.prod(sizes))
+    if ids_dims:
+        ids = ids.reshape([int(d) for d in ids_dims.split(",")])
+        if ids_perm:
+            ids = ids.transpose([int(p) for p in ids_perm.split(",")])
+    chosen = [names.index(a.strip().strip("'")) for a in selected.split(",") if a.strip()]
+    rest = [i for i in range(len(names)) if i not in chosen]
+    grid = ids.reshape(sizes).transpose(rest + chosen)
+    return tuple(tuple(int(i) for i in row) for row in grid.reshape(-1, math.prod(sizes[i] for i in chosen)))
 
 
 def unconditional_computations(hlo: str) -> set[str]:
@@ -296,6 +305,15 @@ def every_step_payload_bytes(hlo: str, mesh=None) -> int:
     always = unconditional_computations(hlo)
     return sum(c.payload_bytes for c in collectives(hlo)
                if c.computation in always and (mesh is None or crosses_islands(c, mesh)))
+
+
+def cross_island_outside_syncs(hlo: str, mesh) -> list[tuple[Collective, str]]:
+    """Collectives that cross islands but belong to no fragment's sync, each with where it
+    runs: "every step" (unconditional) or "in a branch" (e.g. an apply). The written-out
+    backend has none; under GSPMD this is where its choices show."""
+    always = unconditional_computations(hlo)
+    return [(c, "every step" if c.computation in always else "in a branch")
+            for c in collectives(hlo) if c.fragment is None and crosses_islands(c, mesh)]
 
 
 def crosses_islands(c: Collective, mesh) -> bool:

@@ -5,7 +5,7 @@ branches and custom derivatives, variable by variable — and records for every 
 the set of equations it depends on. Loops (scan, while) are treated as a whole: each of
 their outputs depends on all of their inputs. Two questions then have exact answers:
 
-- does a cross-island collective depend on anything in the "inner_step" scope (the
+- does a cross-island operation depend on anything in the "inner_step" scope (the
   forward, backward and AdamW update of the islands in the same step)?
 - does anything in the "inner_step" scope depend on a cross-island collective?
 
@@ -19,7 +19,13 @@ import dataclasses
 import itertools
 from typing import Any
 
+from diloco_eqx.islands import ACROSS
+
 COLLECTIVES = ("psum", "pmean", "all_gather", "all_to_all", "ppermute", "reduce_scatter", "pmax", "pmin")
+ACROSS_SCOPE = ACROSS
+"""The named scope every backend's cross-island operation runs in: under plain jit (drjax)
+the program has no collective primitives, only the operations GSPMD turns into collectives
+(drjax's `sum_from_diloco`, a gather's sharding constraint)."""
 INNER_SCOPE = "inner_step"
 
 
@@ -38,7 +44,9 @@ class Analysis:
     """node id -> ids of every node it depends on through data (transitively)."""
 
     def collectives(self) -> list[Node]:
-        return [n for n in self.nodes if n.primitive.startswith(COLLECTIVES)]
+        """Cross-island operations: collective primitives, or anything in the backends'
+        `across_islands` scope."""
+        return [n for n in self.nodes if n.primitive.startswith(COLLECTIVES) or _has_scope(n.scope, ACROSS_SCOPE)]
 
     def in_scope(self, scope: str) -> set[int]:
         return {n.id for n in self.nodes if _has_scope(n.scope, scope)}

@@ -33,8 +33,8 @@ class PlainStep:
 
     def _run(self, batches, state):
         islands = mesh_lib.ISLANDS
-        body = mesh_lib.shard_islands(partial(inner_step, self.plan, self.static), self.plan.mesh,
-                                      in_specs=(islands,) * 3, out_specs=(islands,) * 3)
+        body = self.plan.islands.program(partial(inner_step, self.plan, self.static),
+                                         in_specs=(islands,) * 3, out_specs=(islands,) * 3)
         arrays, opt_state, losses = body(*state, batches)
         new = (arrays, opt_state)
         if self.layout is not None:

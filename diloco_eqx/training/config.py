@@ -14,13 +14,15 @@ import re
 from typing import Any
 
 from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.islands import registered_backends
 from models.transformer import TransformerConfig
 
 MODES = ("diloco", "ddp")
 RESUMABLE = ("resume", "progress", "out", "coordinator", "num_processes", "process_id",
-             "heartbeat_timeout", "devices", "data_parallel", "fsdp", "checkpoint_every")
+             "heartbeat_timeout", "devices", "data_parallel", "fsdp", "backend", "checkpoint_every")
 """Settings a --resume may change: none of them changes a number the run computes (the
-islands' layout over devices and processes, where checkpoints fall, what is printed)."""
+islands' layout over devices and processes, how the step is compiled, where checkpoints
+fall, what is printed)."""
 
 
 def _parse_drop(item: str) -> tuple[int, int]:
@@ -106,6 +108,10 @@ class RunConfig:
     fsdp: int = 1
     """Devices per island along "fsdp": each island's parameters and optimizer states are
     split over them (each leaf's largest axis divisible by this size)."""
+    backend: str = dataclasses.field(default="shard_map", metadata={"choices": registered_backends()})
+    """How the step reaches across islands: shard_map (manual over the diloco axis, every
+    cross-island collective written out) or drjax (drjax's map and reduce under plain jit,
+    collectives chosen by GSPMD); the numbers are the same. (--mode ddp always uses shard_map.)"""
     progress: bool = True
     """Show a progress bar."""
     coordinator: str | None = dataclasses.field(default=None, metadata={"metavar": "HOST:PORT"})

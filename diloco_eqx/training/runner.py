@@ -127,7 +127,7 @@ def build(cfg: RunConfig) -> Job:
     inner, lr = inner_optimizer(cfg)
     if cfg.mode == "diloco":
         state = dl.init_state(model, inner, cfg.diloco, mesh)  # checks layers vs fragments
-        step_fn = dl.make_train_step(cfg.diloco, loss_fn, inner, mesh)
+        step_fn = dl.make_train_step(cfg.diloco, loss_fn, inner, mesh, backend=cfg.backend)
         frags = dl.Fragmentation.from_model(model, cfg.diloco)
         fragment_params = frags.param_counts(eqx.filter(model, eqx.is_inexact_array))
     else:

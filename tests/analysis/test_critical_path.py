@@ -30,33 +30,40 @@ def test_deferred_equals_direct(v, order):
                 np.testing.assert_allclose(toy_to_numpy(deferred.island(i))[name], want, rtol=1e-6, atol=1e-7)
 
 
-def analysis(deferred, cfg=None, mesh_size=2):
+CROSSING = {"shard_map": {"psum_invariant", "psum", "all_gather_invariant", "all_gather"},
+            "drjax": {"sum_from_diloco", "sharding_constraint"}}
+
+
+def analysis(deferred, cfg=None, mesh_size=2, backend="shard_map"):
     cfg = cfg or dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
                                  overlap_steps=1)
     mesh = dl.make_mesh(**mesh_size) if isinstance(mesh_size, dict) else dl.make_mesh(mesh_size)
     inner = optax.adamw(0.01)
     state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred, backend=backend)
     return critical_path.analyze(step.jaxpr(state, batches(1)[0]))
 
 
+@pytest.mark.parametrize("backend", ["shard_map", "drjax"])
 @pytest.mark.parametrize("compression,mesh", [("none", 2), ("fp4", 2), ("none", dict(diloco=2, data=2, fsdp=2))],
                          ids=["none", "fp4", "island-mesh"])
-def test_deferred_collective_is_independent_of_the_inner_step(compression, mesh):
+def test_deferred_collective_is_independent_of_the_inner_step(compression, mesh, backend):
     cfg = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3,
                           overlap_steps=2, compression=compression)
-    a = analysis(True, cfg, mesh)
+    a = analysis(True, cfg, mesh, backend)
     colls = a.collectives()
-    assert colls and {c.primitive for c in colls} <= {"psum_invariant", "psum", "all_gather_invariant", "all_gather"}
+    assert colls and {c.primitive for c in colls} <= CROSSING[backend]
     assert all("diloco_sync" in c.scope.split("/") for c in colls)
     assert len(a.in_scope("inner_step")) > 20
     assert set(a.collective_depends_on_inner_step().values()) == {0}
     assert a.inner_step_depends_on_collective() == set()
 
 
-def test_direct_form_collective_waits_for_the_inner_step():
+@pytest.mark.parametrize("backend", ["shard_map", "drjax"])
+def test_direct_form_collective_waits_for_the_inner_step(backend):
     """The same analysis on the direct form finds the dependency (so the test above can fail)."""
-    a = analysis(False)
+    a = analysis(False, backend=backend)
+    assert a.collectives()
     assert all(n > 0 for n in a.collective_depends_on_inner_step().values())
 
 

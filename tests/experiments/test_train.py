@@ -258,3 +258,25 @@ def test_usage_errors_are_one_line_and_a_hint(capsys):
         train.main(["--mode", "async"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "invalid choice: 'async'" in lines[0] and "--help" in lines[1]
+
+
+def test_backend_flag_and_switching_backend_on_resume(tmp_path):
+    """--backend drjax trains like shard_map; a run checkpointed by one backend resumes on the
+    other (the state serves both) with the same losses."""
+    common = TINY + ["--steps", "8", "--sync-period", "4", "--eval-every", "8", "--checkpoint-every", "4",
+                     "--devices", "2"]
+    first, second = tmp_path / "shard_map", tmp_path / "drjax"
+    assert train.main(common + ["--out", str(first)]) == 0
+    assert train.main(common + ["--backend", "drjax", "--out", str(second)]) == 0
+    assert json.loads((second / "run.json").read_text())["settings"]["backend"] == "drjax"
+    for a, b in zip(rows(second), rows(first), strict=True):
+        for key in ("loss_island_0", "loss_island_1", "eval_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=2e-5)
+    # as if shard_map had stopped at step 4: resume it on drjax
+    shutil.rmtree(first / "checkpoints" / "8")
+    assert train.main(common + ["--backend", "drjax", "--out", str(first), "--resume"]) == 0
+    for a, b in zip(rows(first), rows(second), strict=True):
+        for key in ("loss_island_0", "loss_island_1", "eval_loss"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=2e-5)

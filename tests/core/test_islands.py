@@ -1,0 +1,192 @@
+"""The two island backends (islands.py): shard_map and drjax give the NumPy reference's numbers
+and each other's on no mesh, a 1-D diloco axis and two island meshes; both compile once, keep
+the state's layout, and move the same bytes across islands, all inside the sync branches.
+
+`pytest --backend drjax` reruns the whole suite on drjax; the default run covers each config
+here once (meshes rotating), the slow set the rest of the grid."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from diloco_eqx.analysis import comms
+from diloco_eqx.islands import BACKENDS, ShardMapIslands, register_backend
+from tests.helpers import count_compilations
+from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
+
+N_LAYERS, WIDTH, ROWS = 4, 4, 4  # ROWS per island: divisible by every data size below
+
+MESHES = {
+    "none": None,
+    "1d": dict(num_devices=2),
+    "2x2data": dict(diloco=2, data=2),
+    "2x2datax2fsdp": dict(diloco=2, data=2, fsdp=2),
+}
+STREAMING = dict(streaming=True, sync_period=6, num_fragments=3)
+# (config, inner optimizer, island dtype)
+CONFIGS = {
+    "vanilla_sgd": (dict(sync_period=4), "sgd", "float32"),
+    "vanilla_adamw": (dict(num_replicas=2, sync_period=4), "adamw", "float32"),
+    "v0_alpha05": ({**STREAMING, "alpha": 0.5}, "sgd", "float32"),
+    "v1_alpha0_sequential": ({**STREAMING, "overlap_steps": 1, "fragment_order": "sequential"}, "sgd", "float32"),
+    "v1_alpha1": ({**STREAMING, "overlap_steps": 1, "alpha": 1.0}, "sgd", "float32"),
+    "v2_alpha05_adamw": ({**STREAMING, "overlap_steps": 2, "alpha": 0.5}, "adamw", "float32"),
+    "bf16_payload": ({**STREAMING, "overlap_steps": 1, "compression": "bf16"}, "sgd", "float32"),
+    "fp4_error_feedback": ({**STREAMING, "overlap_steps": 1, "compression": "fp4", "error_feedback": True},
+                           "sgd", "float32"),
+    "fp8_vanilla": (dict(sync_period=4, compression="fp8"), "sgd", "float32"),
+    "drops": (dict(sync_period=4, drops=[(4, 3), (8, 0)], drop_prob=0.3, fault_seed=2), "sgd", "float32"),
+    "drops_streaming": ({**STREAMING, "overlap_steps": 1, "drops": [(6, 1)], "drop_prob": 0.25}, "adamw",
+                        "float32"),
+    "bfloat16_islands": ({**STREAMING, "overlap_steps": 1, "alpha": 0.5}, "sgd", "bfloat16"),
+}
+GRID = [(m, c) for c in CONFIGS for m in MESHES]
+# the fast run: every config once, on meshes in turn (each mesh three times)
+FAST = {(list(MESHES)[i % len(MESHES)], c) for i, c in enumerate(CONFIGS)}
+INNER = {"sgd": (lambda: optax.sgd(0.05), lambda dt: NpSGD(0.05, dt)),
+         "adamw": (lambda: optax.adamw(0.01, weight_decay=1e-4), lambda dt: NpAdamW(0.01))}
+DTYPES = {"float32": (jnp.float32, None), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16)}
+
+
+def mesh_for(name):
+    spec = MESHES[name]
+    return None if spec is None else dl.make_mesh(**spec)
+
+
+def config(name):
+    settings, _, _ = CONFIGS[name]
+    return dl.DiLoCoConfig(**{"num_replicas": 4, **settings})
+
+
+def data_for(k: int, steps: int = 18):
+    rng = np.random.default_rng(3)
+    return [rng.normal(size=(k * ROWS, WIDTH)).astype(np.float32) for _ in range(steps)]
+
+
+def run(cfg, mesh, data, inner, dtype, backend):
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH, dtype=dtype), inner, cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, backend=backend)
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
+    islands = [toy_to_numpy(state.island(i)) for i in range(cfg.num_replicas)]
+    return np.array(losses), toy_to_numpy(step.outer_model(state)), islands
+
+
+def reference(cfg, data, inner_np, dtype):
+    dropped = None
+    if cfg.drops or cfg.drop_prob:
+        probs = np.asarray(cfg.island_drop_probs)
+
+        def dropped(t, i):
+            coin = jax.random.uniform(jax.random.fold_in(jax.random.key(cfg.fault_seed), t), (len(probs),))
+            return (t, i) in cfg.drops or bool(np.asarray(coin)[i] < probs[i])
+
+    return np_run(toy_to_numpy(make_toy(N_LAYERS, WIDTH, dtype=DTYPES[dtype][0])), data, k=cfg.num_replicas,
+                  h=cfg.sync_period, inner=inner_np, streaming=cfg.streaming, p=cfg.num_fragments,
+                  order=cfg.fragment_order, v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
+                  momentum=cfg.outer_momentum, compression=cfg.compression,
+                  error_feedback=cfg.error_feedback, dropped=dropped, dtype=DTYPES[dtype][1])
+
+
+def assert_close(got, want, tol=2e-5):
+    np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+    for name, value in got[1].items():
+        np.testing.assert_allclose(value, want[1][name], rtol=tol, atol=tol)
+    for island, want_island in zip(got[2], want[2]):
+        for name, value in island.items():
+            np.testing.assert_allclose(value, want_island[name], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mesh_name,name", [g if g in FAST else pytest.param(*g, marks=pytest.mark.slow)
+                                            for g in GRID])
+def test_backends_equal_the_reference_and_each_other(mesh_name, name):
+    cfg = config(name)
+    _, inner, dtype = CONFIGS[name]
+    make_inner, make_np = INNER[inner]
+    data = data_for(cfg.num_replicas)  # 18 steps: 3·H_eff for streaming, 4.5·H for vanilla
+    mesh = mesh_for(mesh_name)
+    shard_map = run(cfg, mesh, data, make_inner(), DTYPES[dtype][0], "shard_map")
+    drjax = run(cfg, mesh, data, make_inner(), DTYPES[dtype][0], "drjax")
+    assert_close(drjax, shard_map)
+    ref = reference(cfg, data, make_np(DTYPES[dtype][1]), dtype)
+    for got in (shard_map, drjax):
+        assert_close(got, ref)
+
+
+@pytest.mark.parametrize("mesh_name", ["1d", "2x2datax2fsdp"])
+def test_drjax_compiles_once_and_keeps_the_layout(mesh_name):
+    """Over 2·H_eff steps (every schedule position): one compilation, the state's shardings
+    unchanged, the old state's buffers donated."""
+    mesh = mesh_for(mesh_name)
+    cfg = config("v2_alpha05_adamw")
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.adamw(0.01), cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, optax.adamw(0.01), mesh, backend="drjax")
+    layout = [x.sharding for x in jax.tree.leaves(state)]
+    with count_compilations() as compiles:
+        for x in data_for(cfg.num_replicas, 12):
+            old = state
+            state, m = step(state, x)
+            m["loss"]
+    assert compiles.count == 1
+    assert [x.sharding for x in jax.tree.leaves(state)] == layout
+    assert old.inner_model.embed.is_deleted()
+
+
+def crossing(cfg, mesh, backend):
+    """(bytes per device across islands per fragment, cross-island collectives outside the
+    syncs) of the compiled step."""
+    state = dl.init_state(make_toy(N_LAYERS, 8), optax.adamw(0.01), cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, optax.adamw(0.01), mesh, backend=backend)
+    batch = np.zeros((cfg.num_replicas * ROWS, 8), np.float32)
+    hlo = step.lower(state, batch).compile().as_text()
+    p = dl.Schedule.from_config(cfg).num_fragments
+    return comms.fragment_payload_bytes(hlo, p, mesh), comms.cross_island_outside_syncs(hlo, mesh)
+
+
+@pytest.mark.parametrize("mesh_name,name", [("2x2datax2fsdp", "v1_alpha0_sequential"), ("1d", "fp4_error_feedback"),
+                                            pytest.param("2x2datax2fsdp", "fp4_error_feedback", marks=pytest.mark.slow),
+                                            pytest.param("2x2data", "vanilla_sgd", marks=pytest.mark.slow)])
+def test_same_bytes_cross_islands_and_only_inside_syncs(mesh_name, name):
+    mesh = mesh_for(mesh_name)
+    cfg = config(name)
+    written, outside = crossing(cfg, mesh, "shard_map")
+    gspmd, gspmd_outside = crossing(cfg, mesh, "drjax")
+    assert all(b > 0 for b in written) and gspmd == written
+    assert outside == [] and gspmd_outside == []
+
+
+def test_unknown_backend_names_the_knob():
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=4)
+    with pytest.raises(ValueError, match=r"backend must be one of \('shard_map', 'drjax'.*\); got 'gspmd'"):
+        dl.make_train_step(cfg, toy_loss, optax.sgd(0.1), backend="gspmd")
+
+
+def test_a_new_backend_is_one_class_and_one_call():
+    """A backend registered from outside runs the step; this one counts the sums it is asked
+    for (one per leaf of the fragment, plus the count of contributing islands, per sync)."""
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(ShardMapIslands):
+        def sum(self, tree):
+            calls.append(len(jax.tree.leaves(tree)))
+            return super().sum(tree)
+
+    register_backend("counting", Counting)
+    try:
+        cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=4)
+        data = data_for(2, 8)
+        got = run(cfg, None, data, optax.sgd(0.05), jnp.float32, "counting")
+        assert_close(got, run(cfg, None, data, optax.sgd(0.05), jnp.float32, "shard_map"))
+        n_leaves = len(jax.tree.leaves(dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.05), cfg).outer))
+        assert sorted(calls) == [1, n_leaves - 1]  # traced once: the count, every float leaf
+    finally:
+        BACKENDS.items.pop("counting")
