@@ -9,6 +9,7 @@ from diloco_eqx.codecs import AbstractCodec, register_codec, registered_codecs
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.faults import AbstractFaultModel, register_fault_model, registered_fault_models
 from diloco_eqx.fragments import Fragmentation
+from diloco_eqx.islands import Islands, register_backend, registered_backends
 from diloco_eqx.mesh import AXIS, make_mesh
 from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.orders import register_order, registered_orders
@@ -24,6 +25,7 @@ __all__ = [
     "DiLoCoConfig",
     "DiLoCoState",
     "Fragmentation",
+    "Islands",
     "Plan",
     "Schedule",
     "StepMetrics",
@@ -32,9 +34,11 @@ __all__ = [
     "make_mesh",
     "make_train_step",
     "outer_optimizer",
+    "register_backend",
     "register_codec",
     "register_fault_model",
     "register_order",
+    "registered_backends",
     "registered_codecs",
     "registered_fault_models",
     "registered_orders",

@@ -7,6 +7,7 @@ here once (meshes rotating), the slow set the rest of the grid."""
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,6 +18,7 @@ import pytest
 import diloco_eqx as dl
 from diloco_eqx.analysis import comms
 from diloco_eqx.islands import BACKENDS, ShardMapIslands, register_backend
+from diloco_eqx.mesh import island_size
 from tests.helpers import count_compilations
 from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
 
@@ -155,11 +157,18 @@ def crossing(cfg, mesh, backend):
                                             pytest.param("2x2datax2fsdp", "fp4_error_feedback", marks=pytest.mark.slow),
                                             pytest.param("2x2data", "vanilla_sgd", marks=pytest.mark.slow)])
 def test_same_bytes_cross_islands_and_only_inside_syncs(mesh_name, name):
+    """Uncompressed, and compressed on one device per island: the same payload bytes. A
+    compressed payload of islands of several devices is split differently by GSPMD (never
+    more bytes: decoded floats do not cross)."""
     mesh = mesh_for(mesh_name)
     cfg = config(name)
     written, outside = crossing(cfg, mesh, "shard_map")
     gspmd, gspmd_outside = crossing(cfg, mesh, "drjax")
-    assert all(b > 0 for b in written) and gspmd == written
+    assert all(b > 0 for b in written)
+    if cfg.codec.lossless or island_size(mesh) == 1:
+        assert gspmd == written
+    else:
+        assert all(0 < g <= w for g, w in zip(gspmd, written))
     assert outside == [] and gspmd_outside == []
 
 
@@ -190,3 +199,39 @@ def test_a_new_backend_is_one_class_and_one_call():
         assert sorted(calls) == [1, n_leaves - 1]  # traced once: the count, every float leaf
     finally:
         BACKENDS.items.pop("counting")
+
+
+class Lookup(eqx.Module):
+    """Embeds by indexing its table: a gather from a table the fsdp axis splits."""
+
+    embed: jax.Array
+    head: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.embed = jax.random.normal(k1, (16, 8)) * 0.1
+        self.head = jax.random.normal(k2, (8, 16)) * 0.1
+
+
+def lookup_loss(model, batch):
+    logits = model.embed[batch[:, :-1]] @ model.head
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch[:, 1:, None], -1))
+
+
+def test_drjax_trains_a_model_that_gathers_from_a_split_table():
+    """Indexing a table split over fsdp inside the partly manual shard_map aborts XLA's
+    partitioner (jax 0.10 and 0.12, islands of data × fsdp); under plain jit GSPMD partitions it.
+    On 2 islands of data 2 × fsdp 2 the drjax step equals the one-device step."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=2)
+    tokens = np.random.default_rng(0).integers(0, 16, (6, 8, 5), dtype=np.int32)
+
+    def losses(mesh, backend):
+        state = dl.init_state(Lookup(jax.random.key(0)), optax.adamw(1e-2), cfg, mesh)
+        step = dl.make_train_step(cfg, lookup_loss, optax.adamw(1e-2), mesh, backend=backend)
+        out = []
+        for batch in tokens:
+            state, m = step(state, batch)
+            out.append(m["loss"])
+        return np.array(out)
+
+    np.testing.assert_allclose(losses(mesh_for("2x2datax2fsdp"), "drjax"), losses(None, "shard_map"), rtol=2e-5)

@@ -50,9 +50,11 @@ def single(args, out):
 
 
 @pytest.mark.slow  # end to end: three training processes
-def test_two_processes_equal_one(tmp_path):
+@pytest.mark.parametrize("backend", ["shard_map", "drjax"])
+def test_two_processes_equal_one(tmp_path, backend):
+    """Two processes of 2 devices, on either backend, train like one process of 4 (shard_map)."""
     args = [*TINY, "--steps", "12", "--eval-every", "6", "--checkpoint-every", "6"]
-    procs = launch_pair(args, tmp_path / "two", tmp_path, "p")
+    procs = launch_pair([*args, "--backend", backend], tmp_path / "two", tmp_path, "p")
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "p0.log").read_text()[-2000:]
     single(args, tmp_path / "one")
     steps2, l2 = losses(tmp_path / "two")

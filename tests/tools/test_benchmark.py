@@ -30,9 +30,11 @@ def test_quick_benchmark_json(tmp_path):
     low = mem["bfloat16"]  # the outer side stays float32: b_outer = 4 whatever the islands use
     assert abs(low["extra_bytes"] / low["expected_extra_bytes"] - 1) < 0.10
     assert low["expected_extra_bytes"] == 2 * low["params"] * 4
+    assert set(mem["modes"]) == {"vanilla", "streaming_deferred", "vanilla_drjax", "streaming_deferred_drjax"}
     phases = {(r["mode"], r["phase"]) for r in result["rows"]}
-    for mode in ("diloco", "streaming"):
+    for mode in ("diloco", "streaming", "diloco_drjax", "streaming_drjax"):  # both backends
         assert {(mode, p) for p in ("nonsync", "sync", "amortized")} <= phases
+        assert result["compile"][f"1M/none/{mode}"]["count"] == 1
     assert ("streaming", "apply") in phases and ("plain", "step") in phases
     for r in result["rows"]:
         assert set(r) >= {"size", "mode", "phase", "median_s", "ratio_to_plain"}
