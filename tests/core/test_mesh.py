@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import diloco_eqx as dl
 from diloco_eqx.analysis import comms
@@ -80,3 +81,24 @@ def test_make_mesh_rejects_too_many_devices():
     n = len(jax.devices())
     with pytest.raises(ValueError, match=f"num_devices must be in 1..{n}"):
         dl.make_mesh(n + 1)
+
+
+@pytest.mark.parametrize("shape,data,fsdp,want", [
+    ((8, 6), 2, 2, P(("fsdp", "data"))),     # the fsdp-split axis, split further over data
+    ((3, 8), 2, 2, P(None, ("fsdp", "data"))),
+    ((6, 2), 2, 2, P("fsdp")),                # 6 is not divisible by 4: the island's layout
+    ((5, 6), 2, 1, P(None, "data")),          # no fsdp: the largest axis data divides
+    ((5, 3), 2, 1, P()),
+    ((8, 6), 1, 2, P("fsdp")),
+])
+def test_outer_layout_refines_the_island_layout(shape, data, fsdp, want):
+    """Fsdp-major: each device's outer piece lies inside its own island shard, so moving
+    between the two layouts never permutes data between devices."""
+    from diloco_eqx.mesh import leaf_spec, outer_leaf_spec
+
+    leaf = np.zeros(shape, np.float32)
+    assert outer_leaf_spec(leaf, data, fsdp) == want
+    island = leaf_spec(leaf, fsdp)
+    if island and fsdp > 1:  # same axis, with fsdp first
+        entry = want[len(island) - 1]
+        assert entry == island[-1] or entry[0] == island[-1]
