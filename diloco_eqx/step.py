@@ -249,9 +249,10 @@ def stash_stage(plan: Plan, t, inner, outer, pending):
 
 
 def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
-    """Every island takes outer fragment f, blended with α; an island whose own fragment f
-    was not finite is reset instead (`reset_islands`). Returns (islands, their optimizer
-    states, which were reset)."""
+    """Every island takes outer fragment f, blended with α, and says whether its own fragment
+    f was not finite: those are reset (`reset_islands`), here when the backend cannot branch
+    on island values, else by `apply_stage`. Returns (islands, their optimizer states, which
+    were found non-finite)."""
     take, put = plan.fragments.take, plan.fragments.put
     outer_f = plan.on_islands(take(params(outer), f))
     inner = plan.pin_islands(inner)
@@ -263,8 +264,6 @@ def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
     inner, bad = plan.islands.map(one, inner, outer_f)
     if not plan.islands.local_branches:  # a branch on `bad` would gather it from every island
         return (*reset_islands(plan, bad, inner, inner_opt, outer), bad)
-    inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
-                                   bad, inner, inner_opt, outer, pin=plan.pin_islands)
     return inner, inner_opt, bad
 
 
@@ -289,14 +288,18 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
 
 
 def apply_stage(plan: Plan, t, inner, inner_opt, outer):
-    """The apply of fragment f(t−V), if t is an apply step (with the reset of any island
-    found non-finite). Returns (islands, their optimizer states, which were reset)."""
+    """The apply of fragment f(t−V), if t is an apply step, and the reset of any island found
+    non-finite. Returns (islands, their optimizer states, which were reset)."""
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [partial(apply_fragment, plan, f) for f in range(p)]
     none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
-    return on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
-                       lambda i, o_s, o: (i, o_s, none), inner, inner_opt, params(outer),
-                       pin=lambda out: (*plan.pin_islands(out[:2]), out[2]))
+    inner, inner_opt, bad = on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
+                                        lambda i, o_s, o: (i, o_s, none), inner, inner_opt, params(outer),
+                                        pin=lambda out: (*plan.pin_islands(out[:2]), out[2]))
+    if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
+        inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
+                                       bad, inner, inner_opt, params(outer), pin=plan.pin_islands)
+    return inner, inner_opt, bad
 
 
 # ---------------------------------------------------------------- whole steps
