@@ -10,8 +10,8 @@ from diloco_eqx.analysis.profiling import count_compilations
 from tests.conftest import QUICK_COMPILE
 from tests.reference import make_toy, np_run, toy_loss, toy_to_numpy
 
-__all__ = ["GBS", "N_LAYERS", "WIDTH", "batches", "count_compilations", "reference_run",
-           "run_jax", "subprocess_env"]
+__all__ = ["GBS", "N_LAYERS", "WIDTH", "batches", "count_compilations", "drops_of", "reference_run",
+           "run_counting_compilations", "run_jax", "subprocess_env"]
 
 
 
@@ -53,3 +53,30 @@ def reference_run(cfg, data, inner_np, **extra):
         momentum=cfg.outer_momentum, compression=cfg.compression,
         error_feedback=cfg.error_feedback, **extra,
     )
+
+
+def run_counting_compilations(step, state, data):
+    """(final state, the state before the last step, compilations) of `step` over `data`,
+    fetching each step's metrics as a training loop does."""
+    with count_compilations() as compiles:
+        for x in data:
+            old = state
+            state, m = step(state, x)
+            m["loss"]
+    return state, old, compiles.count
+
+
+def drops_of(cfg):
+    """The reference's `dropped(t, i)` for a config's listed drops and drop_prob coins (drawn
+    the way the config documents them), or None without faults."""
+    import jax
+
+    if not (cfg.drops or cfg.drop_prob):
+        return None
+    probs = np.asarray(cfg.island_drop_probs)
+
+    def dropped(t, i):
+        coin = jax.random.uniform(jax.random.fold_in(jax.random.key(cfg.fault_seed), t), (len(probs),))
+        return (t, i) in cfg.drops or bool(np.asarray(coin)[i] < probs[i])
+
+    return dropped

@@ -15,7 +15,7 @@ import pytest
 
 import diloco_eqx as dl
 from diloco_eqx.analysis import comms
-from tests.helpers import count_compilations
+from tests.helpers import drops_of, run_counting_compilations
 from tests.reference import NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
 
 N_LAYERS, WIDTH, ROWS = 4, 4, 4  # ROWS per island: divisible by every data size below
@@ -59,18 +59,10 @@ def run(cfg, mesh, data):
 
 
 def reference(cfg, data):
-    dropped = None
-    if cfg.drops or cfg.drop_prob:
-        probs = np.asarray(cfg.island_drop_probs)
-
-        def dropped(t, i):
-            coin = jax.random.uniform(jax.random.fold_in(jax.random.key(cfg.fault_seed), t), (len(probs),))
-            return (t, i) in cfg.drops or bool(np.asarray(coin)[i] < probs[i])
-
     return np_run(toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=cfg.num_replicas, h=cfg.sync_period,
                   inner=NpSGD(0.05), streaming=cfg.streaming, p=cfg.num_fragments, v=cfg.overlap_steps,
                   alpha=cfg.alpha, outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                  compression=cfg.compression, error_feedback=cfg.error_feedback, dropped=dropped)
+                  compression=cfg.compression, error_feedback=cfg.error_feedback, dropped=drops_of(cfg))
 
 
 @pytest.mark.parametrize(
@@ -106,12 +98,8 @@ def test_compiles_once_and_keeps_the_layout(mesh_name):
     state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.adamw(0.01), cfg, mesh)
     step = dl.make_train_step(cfg, toy_loss, optax.adamw(0.01), mesh)
     layout = [x.sharding for x in jax.tree.leaves(state)]
-    with count_compilations() as compiles:
-        for x in data_for(cfg.num_replicas, 12):
-            old = state
-            state, m = step(state, x)
-            m["loss"]
-    assert compiles.count == 1
+    state, old, compiles = run_counting_compilations(step, state, data_for(cfg.num_replicas, 12))
+    assert compiles == 1
     assert [x.sharding for x in jax.tree.leaves(state)] == layout
     assert old.inner_model.embed.is_deleted()
     def split_over(x):

@@ -19,7 +19,7 @@ import diloco_eqx as dl
 from diloco_eqx.analysis import comms
 from diloco_eqx.islands import BACKENDS, ShardMapIslands, register_backend
 from diloco_eqx.mesh import island_size
-from tests.helpers import count_compilations
+from tests.helpers import drops_of, run_counting_compilations
 from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
 
 N_LAYERS, WIDTH, ROWS = 4, 4, 4  # ROWS per island: divisible by every data size below
@@ -83,19 +83,11 @@ def run(cfg, mesh, data, inner, dtype, backend):
 
 
 def reference(cfg, data, inner_np, dtype):
-    dropped = None
-    if cfg.drops or cfg.drop_prob:
-        probs = np.asarray(cfg.island_drop_probs)
-
-        def dropped(t, i):
-            coin = jax.random.uniform(jax.random.fold_in(jax.random.key(cfg.fault_seed), t), (len(probs),))
-            return (t, i) in cfg.drops or bool(np.asarray(coin)[i] < probs[i])
-
     return np_run(toy_to_numpy(make_toy(N_LAYERS, WIDTH, dtype=DTYPES[dtype][0])), data, k=cfg.num_replicas,
                   h=cfg.sync_period, inner=inner_np, streaming=cfg.streaming, p=cfg.num_fragments,
                   order=cfg.fragment_order, v=cfg.overlap_steps, alpha=cfg.alpha, outer_lr=cfg.outer_lr,
                   momentum=cfg.outer_momentum, compression=cfg.compression,
-                  error_feedback=cfg.error_feedback, dropped=dropped, dtype=DTYPES[dtype][1])
+                  error_feedback=cfg.error_feedback, dropped=drops_of(cfg), dtype=DTYPES[dtype][1])
 
 
 def assert_close(got, want, tol=2e-5):
@@ -132,12 +124,8 @@ def test_drjax_compiles_once_and_keeps_the_layout(mesh_name):
     state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.adamw(0.01), cfg, mesh)
     step = dl.make_train_step(cfg, toy_loss, optax.adamw(0.01), mesh, backend="drjax")
     layout = [x.sharding for x in jax.tree.leaves(state)]
-    with count_compilations() as compiles:
-        for x in data_for(cfg.num_replicas, 12):
-            old = state
-            state, m = step(state, x)
-            m["loss"]
-    assert compiles.count == 1
+    state, old, compiles = run_counting_compilations(step, state, data_for(cfg.num_replicas, 12))
+    assert compiles == 1
     assert [x.sharding for x in jax.tree.leaves(state)] == layout
     assert old.inner_model.embed.is_deleted()
 
