@@ -132,19 +132,20 @@ def shardings(tree: PyTree, mesh: Mesh | None, on_islands: bool, param_specs: Pa
 
     def one(x):
         if not on_islands:
-            return NamedSharding(mesh, _canonical(param_specs(x), mesh))
+            return NamedSharding(mesh, canonical(param_specs(x), mesh))
         inner = param_specs(jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype))
-        return NamedSharding(mesh, _canonical(P(AXIS, *inner), mesh))
+        return NamedSharding(mesh, canonical(P(AXIS, *inner), mesh))
 
     return jax.tree.map(one, tree)
 
 
-def _canonical(spec: P, mesh: Mesh) -> P:
-    """`spec` without axes of size 1 (splitting over them is no split; XLA drops them too,
-    and an unchanged spec keeps a step's outputs laid out exactly like its inputs)."""
+def canonical(spec: P, mesh: Mesh) -> P:
+    """`spec` without axes of size 1 or absent from `mesh` (splitting over them is no split;
+    XLA drops them too, and an unchanged spec keeps a step's outputs laid out exactly like its
+    inputs)."""
     def keep(entry):
         names = entry if isinstance(entry, tuple) else (entry,)
-        names = tuple(n for n in names if n is not None and mesh.shape[n] > 1)
+        names = tuple(n for n in names if n is not None and mesh.shape.get(n, 1) > 1)
         return None if not names else names[0] if len(names) == 1 else names
 
     entries = [keep(e) for e in spec]

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
 from diloco_eqx import mesh as mesh_lib
+from diloco_eqx import stash as stash_lib
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.sync import outer_optimizer as default_outer_optimizer
@@ -41,8 +42,9 @@ class DiLoCoState(eqx.Module):
     residual: PyTree = None
     """Per-island quantization error carried to the next sync (error feedback), else None."""
     pending: PyTree = None
-    """Per-island pseudo-gradients stashed at a sync for the next step's exchange (streaming
-    with V >= 1), else None."""
+    """Per-island pseudo-gradient of the fragment synced at the last step, kept for the next
+    step's exchange (streaming with V >= 1; one (fsdp, data, size) row per island sized to
+    the largest fragment, see `stash.py`), else None."""
 
     ON_ISLANDS: ClassVar[frozenset[str]] = frozenset({"inner_model", "inner_opt_state", "residual", "pending"})
     """Fields with a leading island axis (sharded over "diloco"); the others are replicated."""
@@ -116,8 +118,10 @@ def init_state(
     outer = to_outer_dtype(model, cfg.outer_dtype)
     outer_params = eqx.filter(outer, eqx.is_inexact_array)
     outer_opt_state = tuple(tx.init(frags.take(outer_params, f)) for f in range(frags.num_fragments))
-    def zeros():  # pseudo-gradients (stashed, or their carried errors): at least float32
+    def zeros():  # carried coding errors of pseudo-gradients: at least float32
         return per_island(jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params))
+
+    deferred = cfg.streaming and cfg.overlap_steps >= 1
 
     state = DiLoCoState(
         inner_model=per_island(model),
@@ -126,7 +130,7 @@ def init_state(
         outer_opt_state=outer_opt_state,
         step=jnp.zeros((), jnp.int32),
         residual=zeros() if carries_residual(cfg) else None,
-        pending=zeros() if cfg.streaming and cfg.overlap_steps >= 1 else None,
+        pending=stash_lib.for_model(params, frags, mesh, param_specs).zeros(k) if deferred else None,
     )
     return place_state(state, mesh, param_specs)
 
@@ -136,15 +140,17 @@ def state_shardings(state: DiLoCoState, mesh: Mesh | None,
     """The NamedSharding of every array leaf: island fields over "diloco" and, inside an
     island, by `param_specs` (default: `mesh.leaf_spec`, split over "fsdp"); the outer model
     and its optimizer state by `param_specs` alone (default: `mesh.outer_leaf_spec`, split
-    over "data" and "fsdp"), the same on every island."""
+    over "data" and "fsdp"), the same on every island; the stash by device rows
+    (`stash.row_spec`)."""
     if mesh is None:
         return None
     specs = param_specs or mesh_lib.default_param_specs(mesh)
     outer_specs = param_specs or mesh_lib.default_outer_specs(mesh)
     arrays = eqx.filter(state, eqx.is_array)
+    field_specs = {name: specs if name in DiLoCoState.ON_ISLANDS else outer_specs for name in _FIELDS}
+    field_specs["pending"] = stash_lib.row_spec
     return DiLoCoState(**{
-        name: mesh_lib.shardings(getattr(arrays, name), mesh, name in DiLoCoState.ON_ISLANDS,
-                                 specs if name in DiLoCoState.ON_ISLANDS else outer_specs)
+        name: mesh_lib.shardings(getattr(arrays, name), mesh, name in DiLoCoState.ON_ISLANDS, field_specs[name])
         for name in _FIELDS
     })
 

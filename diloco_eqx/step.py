@@ -35,12 +35,14 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from diloco_eqx import mesh as mesh_lib
+from diloco_eqx import stash as stash_lib
 from diloco_eqx import sync
 from diloco_eqx.islands import Islands, make_islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.state import DiLoCoState, state_shardings, state_specs
+from diloco_eqx.stash import Stash
 from diloco_eqx.sync import SyncMetrics
 
 LossFn = Callable[[eqx.Module, PyTree], Float[Array, ""]]
@@ -61,6 +63,7 @@ class Plan:
     param_specs: mesh_lib.ParamSpecs | None = None
     backend: str = "shard_map"
     fragments: Fragmentation | None = None
+    stash: Stash | None = None
 
     @property
     def schedule(self):
@@ -94,12 +97,22 @@ class Plan:
         from a value replicated over the islands, GSPMD may fetch pieces from any of them."""
         return self.pin_islands(self.islands.broadcast(tree), like_outer)
 
+    def pin_stash(self, rows: PyTree) -> PyTree:
+        """Stash rows (a leading island axis) kept in their layout: one row per device."""
+        return mesh_lib.pin(rows, mesh_lib.shardings(rows, self.mesh, True, stash_lib.row_spec))
+
     def _pin(self, tree: PyTree, on_islands: bool, default) -> PyTree:
         specs = self.param_specs or default(self.mesh)
         return mesh_lib.pin(tree, mesh_lib.shardings(tree, self.mesh, on_islands, specs))
 
     def for_model(self, model: eqx.Module) -> Plan:
-        return dataclasses.replace(self, fragments=Fragmentation.from_model(model, self.cfg, self.layers))
+        frags = Fragmentation.from_model(model, self.cfg, self.layers)
+        stash = stash_lib.for_model(params(model), frags, self.mesh, self.param_specs) if self.deferred else None
+        return dataclasses.replace(self, fragments=frags, stash=stash)
+
+    def stashed_like(self, outer: PyTree, f: int) -> PyTree:
+        """Shapes and dtypes of one island's stashed pseudo-gradient of fragment f."""
+        return jax.eval_shape(partial(self.fragments.take, f=f), stash_lib.deltas_like(params(outer)))
 
 
 class StepReport(eqx.Module):
@@ -138,7 +151,7 @@ def on_fragment(predicate, f, branches: Sequence[Callable], otherwise: Callable,
     branches = [lambda *ops, fn=fn: pin(fn(*ops)) for fn in branches]
 
     def taken(*ops):
-        return branches[0](*ops) if len(branches) == 1 else lax.switch(f, branches, *ops)
+        return branches[0](*ops) if len(branches) == 1 else pin(lax.switch(f, branches, *ops))
 
     return lax.cond(predicate, taken, lambda *ops: pin(otherwise(*ops)), *operands)
 
@@ -202,14 +215,16 @@ def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, resi
     """The exchange of the sync stashed at `t_sync` (the previous step): reads only the stash
     and the outer state, never this step's inner work."""
     with jax.named_scope(f"fragment_{f}"):
-        deltas = plan.islands.map(lambda p: plan.fragments.take(p, f), pending)
+        like = plan.stashed_like(outer, f)
+        deltas = plan.islands.map(lambda row: plan.stash.unpack(row, like), plan.pin_stash(pending))
+        deltas = plan.pin_islands(deltas, like_outer=True)
         return exchange_fragment(plan, f, t_sync, deltas, outer, outer_opt, residual)
 
 
 def stash_fragment(plan: Plan, f: int, inner, outer, pending):
-    """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step."""
-    deltas = island_deltas(plan, f, inner, outer)
-    return plan.islands.map(lambda p, d: plan.fragments.put(p, f, d), plan.pin_islands(pending), deltas)
+    """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step
+    (the stash holds one fragment; the previous one was exchanged at the start of this step)."""
+    return plan.islands.map(plan.stash.pack, island_deltas(plan, f, inner, outer))
 
 
 def no_exchange(plan: Plan, _, outer, outer_opt, residual):
@@ -242,7 +257,7 @@ def stash_stage(plan: Plan, t, inner, outer, pending):
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [partial(stash_fragment, plan, f) for f in range(p)]
     return on_fragment(s.is_sync(t), s.fragment_at(t), branches, lambda i, o, pend: pend,
-                       inner, outer, pending, pin=plan.pin_islands)
+                       inner, outer, pending, pin=plan.pin_stash)
 
 
 # ---------------------------------------------------------------- apply of one fragment

@@ -1,0 +1,87 @@
+"""The deferred exchange's stash: sized to the largest fragment, an exact round trip for every
+fragment, and packed without communication on an island mesh."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import diloco_eqx as dl
+from diloco_eqx import mesh as mesh_lib
+from diloco_eqx import stash as stash_lib
+from diloco_eqx.analysis import comms
+from models.transformer import Transformer, TransformerConfig
+
+CFG = dl.DiLoCoConfig(num_replicas=2, sync_period=9, streaming=True, num_fragments=3, overlap_steps=1)
+
+
+def fsdp_only(leaf):
+    """A user layout that splits the largest axis over "fsdp" only: pieces replicated over "data"."""
+    return mesh_lib.leaf_spec(leaf, 2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(TransformerConfig(num_layers=4, width=16, num_heads=2, seq_len=8), jax.random.key(0))
+
+
+def fragment_sizes(model):
+    frags = dl.Fragmentation.from_model(model, CFG)
+    return frags, frags.param_counts(eqx.filter(model, eqx.is_inexact_array))
+
+
+def test_row_is_the_largest_fragment_and_the_state_holds_one_per_island(model):
+    frags, sizes = fragment_sizes(model)
+    assert len(set(sizes)) > 1  # fragment 0 (embeddings, head) differs from the layer groups
+    state = dl.init_state(model, optax.sgd(0.1), CFG)
+    assert state.pending.shape == (2, 1, 1, max(sizes))
+    assert state.pending.dtype == jnp.float32
+    mesh = dl.make_mesh(diloco=2, data=2, fsdp=2)
+    stash = stash_lib.for_model(eqx.filter(model, eqx.is_inexact_array), frags, mesh)
+    assert stash.grid == (2, 2) and stash.size == max(sizes) // 4  # every leaf split 4 ways here
+
+
+@pytest.mark.parametrize("layout", ["none", "2x2datax2fsdp", "fsdp_only"])
+def test_every_fragment_round_trips_exactly(model, layout):
+    frags, _ = fragment_sizes(model)
+    mesh = None if layout == "none" else dl.make_mesh(diloco=2, data=2, fsdp=2)
+    specs = fsdp_only if layout == "fsdp_only" else None
+    params = eqx.filter(model, eqx.is_inexact_array)
+    stash = stash_lib.for_model(params, frags, mesh, specs)
+    rng = np.random.default_rng(0)
+    for f in range(frags.num_fragments):
+        part = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), frags.take(params, f))
+        row = stash.pack(part)
+        assert row.shape == (*stash.grid, stash.size)
+        back = stash.unpack(row, part)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, part)
+        # the padding past the fragment's values stays zero
+        used = sum(stash._piece_size(x) for x in jax.tree.leaves(part))
+        assert not np.any(np.asarray(row)[..., used:])
+
+
+def test_packing_and_unpacking_on_an_island_mesh_move_nothing_between_devices(model):
+    """Leaves laid out like the outer model go to their device's own row and back: the
+    compiled round trip has no collective."""
+    frags, _ = fragment_sizes(model)
+    mesh = dl.make_mesh(diloco=2, data=2, fsdp=2)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    stash = stash_lib.for_model(params, frags, mesh)
+    specs = mesh_lib.default_outer_specs(mesh)
+    part = frags.take(params, 1)
+    layout = jax.tree.map(lambda x: NamedSharding(mesh, mesh_lib.canonical(specs(x), mesh)), part)
+    row_layout = NamedSharding(mesh, mesh_lib.canonical(P(*stash_lib.GRID), mesh))
+    part = jax.device_put(part, layout)
+
+    @jax.jit
+    def round_trip(tree):
+        row = jax.lax.with_sharding_constraint(stash.pack(tree), row_layout)
+        return jax.lax.with_sharding_constraint(stash.unpack(row, tree), layout)
+
+    hlo = round_trip.lower(part).compile().as_text()
+    assert comms.collectives(hlo) == []
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), round_trip(part), part)
