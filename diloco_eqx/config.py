@@ -169,7 +169,8 @@ class DiLoCoConfig:
 
     @property
     def fault_model(self) -> faults.AbstractFaultModel:
-        """Non-finite islands, plus the drops, the coin and the named fault models asked for."""
+        """The drops, the coin and the named fault models asked for (non-finite islands are
+        always left out of a sync by the sync itself)."""
         return faults.from_knobs(self.drops, self.island_drop_probs, self.fault_seed, self.faults)
 
     @property

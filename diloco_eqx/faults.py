@@ -2,10 +2,11 @@
 
 A fault model is a final `AbstractFaultModel` subclass: `missing(t, ids, deltas)` says, for
 each island on this device (global indices `ids`), whether it misses the sync at step t.
-The built-in models are built from the config's knobs — `NonFinite` (always on: an island
-whose pseudo-gradient holds a NaN or Inf), `Listed` (`drops`), `Coin` (`drop_prob`,
-`fault_seed`) — and any model registered by name with `register_fault_model` is switched on
-by naming it in `faults`. `Combined` misses an island when any of its parts does.
+The built-in models are built from the config's knobs — `Listed` (`drops`), `Coin`
+(`drop_prob`, `fault_seed`) — and any model registered by name with `register_fault_model`
+is switched on by naming it in `faults`. `Combined` misses an island when any of its parts
+does. An island whose fragment holds a NaN or Inf never contributes, whatever the model:
+the sync checks that itself, once per island, and the apply resets such an island.
 """
 
 from __future__ import annotations
@@ -27,19 +28,6 @@ class AbstractFaultModel(eqx.Module):
     def missing(self, t: Int[Array, ""], ids: Int[Array, " k"], deltas: PyTree) -> Bool[Array, " k"]:
         """For each island (global index in `ids`): does it miss the sync at step t?
         `deltas` are those islands' pseudo-gradients (leading axis over `ids`)."""
-
-
-class NonFinite(AbstractFaultModel):
-    """An island whose pseudo-gradient holds a NaN or Inf cannot contribute."""
-
-    def missing(self, t, ids, deltas):
-        def bad(d):
-            leaves = jax.tree.leaves(d)
-            if not leaves:
-                return jnp.zeros((), bool)
-            return ~jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-        return jax.vmap(bad)(deltas)
 
 
 class Listed(AbstractFaultModel):
@@ -97,9 +85,9 @@ def get_fault_model(name: str) -> AbstractFaultModel:
 
 
 def from_knobs(drops, probs: tuple[float, ...], seed: int, names: tuple[str, ...]) -> Combined:
-    """The fault model a config describes: non-finite islands always, plus listed drops,
-    the coin and named models where the knobs ask for them."""
-    parts: list[AbstractFaultModel] = [NonFinite()]
+    """The fault model a config describes: listed drops, the coin and named models where
+    the knobs ask for them (none: no island misses a sync, but for non-finite ones)."""
+    parts: list[AbstractFaultModel] = []
     if drops:
         parts.append(Listed(tuple(drops)))
     if any(p > 0 for p in probs):

@@ -29,7 +29,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import drjax
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -44,6 +43,22 @@ PyTree = Any
 ACROSS = "across_islands"
 """The named scope of every operation that crosses islands (what `analysis.critical_path`
 follows; under plain jit there is no collective primitive to find)."""
+
+
+def _drjax():
+    """drjax, imported when a drjax step is built (the shard_map backend runs without it)."""
+    import drjax
+
+    return drjax
+
+
+def sum_leading(x: Array) -> Array:
+    """Sum over the leading axis as a chain of adds: XLA fuses the adds with whatever computes
+    x (pseudo-gradients, a mask), where a reduce over the axis would first write x out."""
+    total = x[0]
+    for k in range(1, x.shape[0]):
+        total = total + x[k]
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +151,7 @@ class ShardMapIslands(Islands):
 
     def sum(self, tree):
         def total(x):
-            local = jnp.sum(x, axis=0)
+            local = sum_leading(x)
             if not self.crosses:
                 return local
             with jax.named_scope(ACROSS):
@@ -190,7 +205,7 @@ class DrjaxIslands(Islands):
         return self.num_islands
 
     def program(self, fn, in_specs, out_specs):
-        return drjax.program(placements={mesh_lib.AXIS: self.num_islands})(fn)
+        return _drjax().program(placements={mesh_lib.AXIS: self.num_islands})(fn)
 
     def context(self):
         if self.mesh is None:
@@ -198,11 +213,11 @@ class DrjaxIslands(Islands):
         return jax.set_mesh(self.mesh)
 
     def map(self, fn, *trees):
-        return drjax.map_fn(fn, trees)
+        return _drjax().map_fn(fn, trees)
 
     def sum(self, tree):
         with jax.named_scope(ACROSS):
-            return drjax.reduce_sum(tree)
+            return _drjax().reduce_sum(tree)
 
     def gather(self, tree, then=None):
         if self.mesh is None:
@@ -227,7 +242,7 @@ class DrjaxIslands(Islands):
         return gathered
 
     def broadcast(self, tree):
-        return drjax.broadcast(tree)
+        return _drjax().broadcast(tree)
 
 
 @contextlib.contextmanager

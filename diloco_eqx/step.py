@@ -175,22 +175,29 @@ def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree,
 # ---------------------------------------------------------------- sync of one fragment
 
 
-def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree) -> PyTree:
-    """Each island's pseudo-gradient of fragment f (no communication)."""
+def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree) -> tuple[PyTree, Bool[Array, " k"]]:
+    """Each island's pseudo-gradient of fragment f, and whether the island's own fragment is
+    finite (no communication)."""
     take = plan.fragments.take
     outer_f = plan.on_islands(take(params(outer), f), like_outer=True)
     inner = plan.pin_islands(inner)  # the islands are read where they live, not moved first
-    deltas = plan.islands.map(lambda m, o: sync.pseudo_gradient(o, take(params(m), f)), inner, outer_f)
-    return plan.pin_islands(deltas, like_outer=True)
+
+    def one(island, o):
+        own = take(params(island), f)
+        return sync.pseudo_gradient(o, own), sync.all_finite(own)
+
+    deltas, finite = plan.islands.map(one, inner, outer_f)
+    return plan.pin_islands(deltas, like_outer=True), finite
 
 
-def exchange_fragment(plan: Plan, f: int, t_sync, deltas, outer, outer_opt, residual):
+def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_opt, residual):
     """The mean of fragment f's pseudo-gradients over the islands that contribute to the sync
-    at `t_sync`, and one outer step on f with f's own optimizer state. If no island
-    contributes, the outer fragment and its state stay as they were."""
+    at `t_sync` (finite ones the fault model lets through), and one outer step on f with f's
+    own optimizer state. If no island contributes, the outer fragment and its state stay as
+    they were."""
     frags, islands = plan.fragments, plan.islands
     outer_f = frags.take(params(outer), f)
-    ok = ~plan.cfg.fault_model.missing(t_sync, islands.ids(), deltas)
+    ok = finite & ~plan.cfg.fault_model.missing(t_sync, islands.ids(), deltas)
     res_f = None if residual is None else islands.map(lambda r: frags.take(r, f), residual)
     mean, count, res_f, err = sync.mean_pseudo_gradient(plan.cfg.codec, deltas, ok, res_f, outer_f, islands)
     if residual is not None:
@@ -207,8 +214,8 @@ def exchange_fragment(plan: Plan, f: int, t_sync, deltas, outer, outer_opt, resi
 def sync_fragment(plan: Plan, f: int, t, inner, outer, outer_opt, residual):
     """Sync of fragment f inside step t: pseudo-gradients, exchange, outer step."""
     with jax.named_scope(f"fragment_{f}"):
-        deltas = island_deltas(plan, f, inner, outer)
-        return exchange_fragment(plan, f, t, deltas, outer, outer_opt, residual)
+        deltas, finite = island_deltas(plan, f, inner, outer)
+        return exchange_fragment(plan, f, t, deltas, finite, outer, outer_opt, residual)
 
 
 def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, residual):
@@ -218,13 +225,14 @@ def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, resi
         like = plan.stashed_like(outer, f)
         deltas = plan.islands.map(lambda row: plan.stash.unpack(row, like), plan.pin_stash(pending))
         deltas = plan.pin_islands(deltas, like_outer=True)
-        return exchange_fragment(plan, f, t_sync, deltas, outer, outer_opt, residual)
+        finite = plan.islands.map(sync.all_finite, deltas)  # of a finite outer fragment: the island's
+        return exchange_fragment(plan, f, t_sync, deltas, finite, outer, outer_opt, residual)
 
 
 def stash_fragment(plan: Plan, f: int, inner, outer, pending):
     """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step
     (the stash holds one fragment; the previous one was exchanged at the start of this step)."""
-    return plan.islands.map(plan.stash.pack, island_deltas(plan, f, inner, outer))
+    return plan.islands.map(plan.stash.pack, island_deltas(plan, f, inner, outer)[0])
 
 
 def no_exchange(plan: Plan, _, outer, outer_opt, residual):
@@ -266,7 +274,7 @@ def stash_stage(plan: Plan, t, inner, outer, pending):
 def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
     """Every island takes outer fragment f, blended with α, and says whether its own fragment
     f was not finite: those are reset (`reset_islands`), here when the backend cannot branch
-    on island values, else by `apply_stage`. Returns (islands, their optimizer states, which
+    on island values, else by `reset_stage`. Returns (islands, their optimizer states, which
     were found non-finite)."""
     take, put = plan.fragments.take, plan.fragments.put
     outer_f = plan.on_islands(take(params(outer), f))
@@ -311,10 +319,16 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer):
     inner, inner_opt, bad = on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
                                         lambda i, o_s, o: (i, o_s, none), inner, inner_opt, params(outer),
                                         pin=lambda out: (*plan.pin_islands(out[:2]), out[2]))
-    if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
-        inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
-                                       bad, inner, inner_opt, params(outer), pin=plan.pin_islands)
-    return inner, inner_opt, bad
+    return (*reset_stage(plan, bad, inner, inner_opt, outer), bad)
+
+
+def reset_stage(plan: Plan, bad, inner, inner_opt, outer):
+    """Where the backend can branch on island values, each device slice resets its own
+    islands found non-finite, only when one is (else the apply branch already did)."""
+    if not plan.islands.local_branches:
+        return inner, inner_opt
+    return on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
+                       bad, inner, inner_opt, params(outer), pin=plan.pin_islands)
 
 
 # ---------------------------------------------------------------- whole steps
