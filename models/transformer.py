@@ -14,7 +14,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from einops import einsum, rearrange
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 
@@ -75,9 +74,9 @@ class Block(eqx.Module):
 
     def __call__(self, x: Float[Array, "T d"]) -> Float[Array, "T d"]:
         h = _rms_norm(x, self.attn_norm)
-        q, k, v = einsum(h, self.qkv, "t d, d three h e -> three t h e")
+        q, k, v = jnp.einsum("td,dxhe->xthe", h, self.qkv)
         attn = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
-        x = x + einsum(attn, self.out, "t h e, h e d -> t d")
+        x = x + jnp.einsum("the,hed->td", attn, self.out)
         h = _rms_norm(x, self.mlp_norm)
         return x + jax.nn.gelu(h @ self.up) @ self.down
 
@@ -125,8 +124,9 @@ def loss_fn(model: Transformer, batch: Int[Array, "B T1"]) -> Float[Array, ""]:
     up to float rounding): XLA's partitioner handles it when the output head is split over the
     vocabulary (fsdp), where a gather fails to compile inside a partly manual shard_map."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = rearrange(jax.vmap(model)(inputs), "b t v -> (b t) v")
-    picked = jnp.sum(logits * jax.nn.one_hot(rearrange(targets, "b t -> (b t)"), logits.shape[-1],
+    logits = jax.vmap(model)(inputs)
+    logits = logits.reshape(-1, logits.shape[-1])
+    picked = jnp.sum(logits * jax.nn.one_hot(targets.reshape(-1), logits.shape[-1],
                                              dtype=logits.dtype), axis=-1)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 

@@ -52,7 +52,9 @@ SIZES = (
     Size("1M", layers=4, width=128, heads=4, seq_len=128, global_batch=16),
     Size("10M", layers=8, width=320, heads=8, seq_len=64, global_batch=8),
     Size("30M", layers=12, width=448, heads=8, seq_len=64, global_batch=4),
+    Size("100M", layers=14, width=768, heads=12, seq_len=1024, global_batch=16),  # for an accelerator
 )
+DTYPES = ("float32", "bfloat16")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -70,6 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "devices along the data and/or fsdp axes (2x1: one device each)")
     parser.add_argument("--backends", nargs="+", choices=("shard_map", "drjax"), default=["shard_map", "drjax"],
                         help="island backends of the DiLoCo steps (modes of drjax steps end in _drjax)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="the islands' parameter dtype (the outer model stays float32); the "
+                             "utilisation is measured against a matmul in the same dtype")
+    parser.add_argument("--no-sync-cost", action="store_true",
+                        help="skip the sync-cost section (its tiny-batch steps and the floor)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                            [s.name for s in SIZES]))]
     meshes = args.meshes or (["none"] if args.quick else ["none", "2x1"])
     reps = args.reps or (15 if args.quick else 25)
-    result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends)
+    result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
+                 dtype=args.dtype, with_sync_cost=not args.no_sync_cost)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, backends=("shard_map",)) -> dict:
+def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, backends=("shard_map",),
+        dtype="float32", with_sync_cost=True) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -105,12 +114,15 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
     K = 2
     inner = optax.adamw(1e-3)
     rows, memory, compilations, checks = [], {}, {}, {}
-    matmul_flops = _matmul_flops(jax, jnp)
+    matmul_flops = _matmul_flops(jax, jnp, dtype=jnp.dtype(dtype))
+
+    def make_model(size):
+        model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
+                                              num_heads=size.heads, seq_len=size.seq_len), jax.random.key(0))
+        return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
 
     for size in sizes:
-        model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
-                                              num_heads=size.heads, seq_len=size.seq_len),
-                            jax.random.key(0))
+        model = make_model(size)
         n_params = count_params(model)
         batch_np = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1),
                                                      dtype=np.int32)
@@ -234,40 +246,130 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
                 "expected_extra_bytes": 2 * n_params * 4 // islands.island_size(mesh),
             }
 
+    costs = {s.name: sync_cost(make_model(s), K, sync_period, num_fragments, reps=max(reps, 10))
+             for s in sizes} if with_sync_cost else {}
     first = next(iter(checks))
+    size, mesh_name = sizes[0], meshes[0]
+    mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
+    model = make_model(size)
+    batch_np = np.zeros((size.global_batch, size.seq_len + 1), np.int32)
+    direct = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period, streaming=True, num_fragments=num_fragments)
+    for backend in backends:  # Streaming with V = 0 (no stash): memory only
+        step = dl.make_train_step(direct, loss_fn, inner, mesh, backend=backend)
+        compiled = step.lower(dl.init_state(model, inner, direct, mesh), batch_np).compile()
+        memory[f"{first}/{_mode('streaming_v0', backend)}"] = profiling.memory(compiled)
+    largest = max(dl.Fragmentation.from_model(model, direct).param_counts(eqx.filter(model, eqx.is_inexact_array)))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
     diloco_mem = memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"]
-    size = sizes[0]
-    low = _bfloat16_memory(Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
-                                                         num_heads=size.heads, seq_len=size.seq_len),
-                                       jax.random.key(0)),
-                           inner, K, sync_period, size)
+    low = _bfloat16_memory(make_model(size), inner, K, sync_period, size)
     n = checks[first]["params"]
-    islands_per_device = K // (checks[first]["devices"] // checks[first]["devices_per_island"])
-    outer = 2 * n * 4 // checks[first]["devices_per_island"]  # outer model and trace, split over the island
-    stash = islands_per_device * n * 4 // checks[first]["fsdp"]  # every island's |Θ| float32 values
-    modes = {  # the deferred exchange's stash laid out like the islands
+    per_island = checks[first]["devices_per_island"]
+    islands_per_device = K // (checks[first]["devices"] // per_island)
+    outer = 2 * n * 4 // per_island  # outer model and trace, split over the island's devices
+    stash = islands_per_device * largest * 4 // per_island  # one row per island: the largest fragment
+    modes = {
         _mode(name, backend): (_mode(mode, backend), want)
         for backend in backends
-        for name, mode, want in (("vanilla", "diloco", outer), ("streaming_deferred", "streaming", outer + stash))
+        for name, mode, want in (("vanilla", "diloco", outer), ("streaming", "streaming_v0", outer),
+                                 ("streaming_deferred", "streaming", outer + stash))
     }
     return {
         "compilations": max(c["count"] for c in compilations.values()),
         "memory": {"plain_bytes": plain_mem, "diloco_bytes": diloco_mem,
                    "expected_extra_bytes": checks[first]["expected_extra_bytes"],
-                   "param_bytes": 4 * n,
+                   "param_bytes": 4 * n, "largest_fragment_bytes": 4 * largest,
                    "modes": {name: {"extra_bytes": memory[f"{first}/{mode}"]["resident_bytes"] - plain_mem,
                                     "expected_extra_bytes": want}
                              for name, (mode, want) in modes.items()},
                    "config": first, "all": memory, "bfloat16": low},
         "rows": rows,
+        "sync_cost": costs,
         "compile": compilations,
         "sizes": checks,
         "settings": {"num_replicas": K, "sync_period": sync_period, "num_fragments": num_fragments,
-                     "overlap_steps": 1, "reps": reps},
+                     "overlap_steps": 1, "reps": reps, "dtype": dtype},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version(), "jax": jax.__version__},
+                    "python": platform.python_version(), "jax": jax.__version__,
+                    "device": jax.devices()[0].device_kind},
     }
+
+
+def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
+    """What a sync adds to a step, against the floor of the bytes it must touch (no mesh).
+
+    The batch is 2 sequences of 8 tokens, so the inner step is short and the differences are
+    resolved: each repetition times, back to back, the plain step, DiLoCo on a step without
+    an event, on a sync, and Streaming (V = 1) without an event, on a sync (the stash) and on
+    the step after it (exchange, outer step and apply); the results are medians of paired
+    differences. The floor is one fused XLA pass that reads and writes, in place, as many bytes
+    as the K islands, the outer model and its trace hold: the least a vanilla sync can do is
+    read them all and write them back."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx.analysis.plain import make_plain_step
+    from models.transformer import count_params, loss_fn
+
+    n, inner = count_params(model), optax.adamw(1e-3)
+    batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
+    vanilla = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
+    streaming = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
+                                num_fragments=num_fragments, overlap_steps=1)
+    plain_state, plain_step = make_plain_step(model, loss_fn, inner, k)
+    steps = {"plain": [plain_state, plain_step]}
+    for name, cfg in (("diloco", vanilla), ("streaming", streaming)):
+        steps[name] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
+    placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
+    dh = dl.Schedule.from_config(streaming).steps_between_syncs
+    phases = [("plain", None), ("diloco", 5), ("diloco", sync_period), ("streaming", 5)]
+    times = {key: [] for key in [*phases, ("streaming", "sync"), ("streaming", "after")]}
+    for rep in range(reps + 2):
+        j = 1 + rep % num_fragments  # cycle through every fragment's sync
+        for mode, t in [*phases, ("streaming", "sync"), ("streaming", "after")]:
+            state, step = steps[mode]
+            if t is not None:
+                t_end = dh * j if t == "sync" else dh * j + 1 if t == "after" else t
+                if t != "after":  # "after" is the step that follows the stash, as in a run
+                    state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(t_end - 1, jnp.int32)))
+            t0 = time.perf_counter()
+            state, _ = step.step_placed(state, placed[mode])
+            jax.block_until_ready(state)
+            if rep >= 2:
+                times[(mode, t)].append(time.perf_counter() - t0)
+            steps[mode][0] = state
+    diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
+    island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
+    floor_bytes = (k * island_bytes + 2 * 4) * n  # K islands, outer model and trace (float32)
+    floor = _stream_floor(floor_bytes // 4)
+    vanilla_extra = diff(("diloco", sync_period), ("diloco", 5))
+    streaming_extra = diff(("streaming", "sync"), ("streaming", 5)) + diff(("streaming", "after"), ("streaming", 5))
+    return {"params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
+            "plain_s": float(np.median(times[("plain", None)])),
+            "vanilla_sync_extra_s": vanilla_extra, "vanilla_extra_over_floor": vanilla_extra / floor,
+            "streaming_sync_extra_s": streaming_extra,
+            "streaming_over_vanilla": streaming_extra / vanilla_extra, "one_over_p": 1 / num_fragments,
+            "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
+            "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)), "reps": reps}
+
+
+def _stream_floor(values: int, reps: int = 15) -> float:
+    """Seconds of one fused, in-place pass that reads and writes `values` float32 values."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    touch = jax.jit(lambda x: x * 1.0000001 + 1e-9, donate_argnums=0)
+    x = jax.block_until_ready(touch(jnp.ones((values,), jnp.float32)))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(touch(x))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
 
 
 def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
@@ -306,11 +408,13 @@ def _set_step(state, t, mesh, eqx, jnp, islands):
     return eqx.tree_at(lambda s: s.step, state, value)
 
 
-def _matmul_flops(jax, jnp, n=1024, reps=10) -> float:
+def _matmul_flops(jax, jnp, n=None, reps=10, dtype=None) -> float:
+    """FLOP/s of an n×n matmul in `dtype` (n = 8192 on an accelerator, 1024 on CPU)."""
     import numpy as np
 
+    n = n or (1024 if jax.default_backend() == "cpu" else 8192)
     f = jax.jit(lambda a, b: a @ b)
-    a = jnp.ones((n, n), jnp.float32)
+    a = jnp.ones((n, n), dtype or jnp.float32)
     jax.block_until_ready(f(a, a))
     ts = []
     for _ in range(reps):
@@ -352,6 +456,16 @@ def format_table(result: dict) -> str:
         lines.append(f"{key}: {s['params']:,} params, inner step {s['inner_flops_per_s'] / 1e9:.2f} "
                      f"GFLOP/s vs matmul {s['matmul_flops_per_s'] / 1e9:.2f} GFLOP/s: "
                      f"utilisation {s['utilisation']:.2f}")
+    for name, c in result.get("sync_cost", {}).items():
+        lines.append(f"{name} sync cost (no mesh, 2x8-token batch, paired medians): floor {1e3 * c['floor_s']:.1f} ms "
+                     f"for {c['floor_bytes'] / 1e6:.0f} MB; vanilla sync +{1e3 * c['vanilla_sync_extra_s']:.1f} ms "
+                     f"= {c['vanilla_extra_over_floor']:.2f}x floor; streaming sync (stash + exchange) "
+                     f"+{1e3 * c['streaming_sync_extra_s']:.1f} ms = {c['streaming_over_vanilla']:.2f} of vanilla's "
+                     f"(1/P = {c['one_over_p']:.2f}); non-sync step +{1e3 * c['diloco_nonsync_extra_s']:.1f} / "
+                     f"+{1e3 * c['streaming_nonsync_extra_s']:.1f} ms over plain ({1e3 * c['plain_s']:.0f} ms)")
+    for key, m in result["memory"]["modes"].items():
+        lines.append(f"memory mode {key}: extra {m['extra_bytes']:,} B vs expected {m['expected_extra_bytes']:,} B "
+                     f"(ratio {m['extra_bytes'] / m['expected_extra_bytes']:.3f})")
     low = result["memory"].get("bfloat16")
     if low:
         lines.append(f"bfloat16 islands, float32 outer (vanilla, no mesh): extra resident "
