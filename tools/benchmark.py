@@ -448,8 +448,7 @@ def format_table(result: dict) -> str:
                      f"resident {m['resident_bytes']:,} B")
     for key, s in result["sizes"].items():
         plain = result["memory"]["all"][f"{key}/plain"]["resident_bytes"]
-        for mode in [m for m in ("diloco", "streaming", "diloco_drjax", "streaming_drjax")
-                     if f"{key}/{m}" in result["memory"]["all"]]:
+        for mode in [m for m in ("diloco", "diloco_drjax") if f"{key}/{m}" in result["memory"]["all"]]:
             extra = result["memory"]["all"][f"{key}/{mode}"]["resident_bytes"] - plain
             lines.append(f"{key} {mode}: extra resident {extra:,} B per device vs 2·|Θ|·4/(n·m) = "
                          f"{s['expected_extra_bytes']:,} B (ratio {extra / s['expected_extra_bytes']:.3f})")
