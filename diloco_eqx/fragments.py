@@ -7,8 +7,9 @@ DiLoCo) fragment 0 is the whole model.
 `take(tree, f)` returns a tree shaped like `tree` in which leaves outside f are None and
 layer leaves are cut down to f's layers; `put(tree, f, part)` writes such a tree back.
 Contiguous groups are read with a slice and written with a dynamic-update-slice; strided
-groups (the interleaved order) go through a reshape to (N/s, s, ...) and a slice of the
-second axis; only irregular user orders fall back to gather/scatter.
+groups (the interleaved order) are read through a reshape to (N/s, s, ...) and a slice of
+the second axis, irregular user orders with a gather; every group that is not contiguous is
+written back one layer at a time, each an in-place dynamic-update-slice.
 """
 
 from __future__ import annotations
@@ -66,13 +67,13 @@ class _Layers:
         return jnp.take(x, jnp.asarray(idx), axis=0)
 
     def write(self, x: jax.Array, v: jax.Array) -> jax.Array:
-        kind, idx, s = self.kind, self.indices, self._stride
-        if kind == "slice":
-            return lax.dynamic_update_slice_in_dim(x, v, idx[0], axis=0)
-        if kind == "stride":
-            grid = x.reshape(len(idx), s, *x.shape[1:])
-            return lax.dynamic_update_slice_in_dim(grid, v[:, None], idx[0], axis=1).reshape(x.shape)
-        return x.at[jnp.asarray(idx)].set(v)
+        if self.kind == "slice":
+            return lax.dynamic_update_slice_in_dim(x, v, self.indices[0], axis=0)
+        # one in-place update per layer: a strided update through a reshape, or a scatter,
+        # makes XLA copy the whole stack
+        for j, layer in enumerate(self.indices):
+            x = lax.dynamic_update_slice_in_dim(x, v[j:j + 1], layer, axis=0)
+        return x
 
 
 @dataclasses.dataclass(frozen=True)
