@@ -260,6 +260,7 @@ def test_usage_errors_are_one_line_and_a_hint(capsys):
     assert len(lines) == 2 and "invalid choice: 'async'" in lines[0] and "--help" in lines[1]
 
 
+@pytest.mark.slow  # three end-to-end runs (32 s): kept out of the default run's 10 minutes
 def test_backend_flag_and_switching_backend_on_resume(tmp_path):
     """--backend drjax trains like shard_map; a run checkpointed by one backend resumes on the
     other (the state serves both) with the same losses."""
