@@ -274,7 +274,7 @@ def stash_stage(plan: Plan, t, inner, outer, pending):
 def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
     """Every island takes outer fragment f, blended with α, and says whether its own fragment
     f was not finite: those are reset (`reset_islands`), here when the backend cannot branch
-    on island values, else by `reset_stage`. Returns (islands, their optimizer states, which
+    on island values, else by `apply_stage`. Returns (islands, their optimizer states, which
     were found non-finite)."""
     take, put = plan.fragments.take, plan.fragments.put
     outer_f = plan.on_islands(take(params(outer), f))
@@ -319,16 +319,10 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer):
     inner, inner_opt, bad = on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
                                         lambda i, o_s, o: (i, o_s, none), inner, inner_opt, params(outer),
                                         pin=lambda out: (*plan.pin_islands(out[:2]), out[2]))
-    return (*reset_stage(plan, bad, inner, inner_opt, outer), bad)
-
-
-def reset_stage(plan: Plan, bad, inner, inner_opt, outer):
-    """Where the backend can branch on island values, each device slice resets its own
-    islands found non-finite, only when one is (else the apply branch already did)."""
-    if not plan.islands.local_branches:
-        return inner, inner_opt
-    return on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
-                       bad, inner, inner_opt, params(outer), pin=plan.pin_islands)
+    if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
+        inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
+                                       bad, inner, inner_opt, params(outer), pin=plan.pin_islands)
+    return inner, inner_opt, bad
 
 
 # ---------------------------------------------------------------- whole steps
