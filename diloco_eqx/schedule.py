@@ -13,6 +13,11 @@ from jaxtyping import Array, Bool, Int
 
 Step = int | Int[Array, ""]
 
+EVENT_SCOPE = "schedule_event"
+"""The named scope of the compiled step's loop around each schedule event (a sync, a stash,
+an exchange, an apply, a reset), which runs zero or one time: how the analyses tell those
+loops, which run only on some steps, from the model's own loops, which run on every step."""
+
 
 def _check(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -5,7 +5,7 @@ One step, in order: the inner step on every island; t += 1; the sync stage (frag
 pseudo-gradients, their mean over the contributing islands, one outer step on f); the apply
 stage (fragment f(t−V): blend the outer fragment into every island, or reset an island
 whose fragment went non-finite). Every schedule position is a branch built by
-`on_fragment` (`lax.cond` on the schedule around `lax.switch` over fragments), so the step
+`when` (a loop of zero or one trip, on the schedule, around `lax.switch` over fragments), so the step
 compiles once. Vanilla DiLoCo is the one-fragment, V = 0 case of the same functions.
 
 With V >= 1 the exchange is deferred (`deferred_step`): the sync stage of step t only
@@ -41,6 +41,7 @@ from diloco_eqx.islands import Islands, make_islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.metrics import StepMetrics
+from diloco_eqx.schedule import EVENT_SCOPE
 from diloco_eqx.state import DiLoCoState, state_shardings, state_specs
 from diloco_eqx.stash import Stash
 from diloco_eqx.sync import SyncMetrics
@@ -142,18 +143,32 @@ def params(tree: PyTree) -> PyTree:
     return eqx.filter(tree, eqx.is_inexact_array)
 
 
-def on_fragment(predicate, f, branches: Sequence[Callable], otherwise: Callable, *operands,
-                pin: Callable = lambda out: out):
-    """`branches[f](*operands)` when `predicate` holds, else `otherwise(*operands)`: the
-    one shape of every schedule position (a cond around a switch over fragments). `pin`
-    fixes the layout of every branch's outputs on an island mesh, so that the cond's result
-    is never resharded on steps without an event."""
-    branches = [lambda *ops, fn=fn: pin(fn(*ops)) for fn in branches]
+def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Callable = lambda out: out,
+         after: Int[Array, ""] | None = None, count: bool = False):
+    """`branches[f](carry, *invariants)` when `predicate` holds, else `carry`: the one shape
+    of every schedule event, so the step compiles once.
 
-    def taken(*ops):
-        return branches[0](*ops) if len(branches) == 1 else pin(lax.switch(f, branches, *ops))
+    It is a loop of zero or one trip, not a bare conditional, because XLA updates a loop's
+    carry in place, where a conditional that passes its operands through copies them on
+    every step without the event. Inside, the switch over fragments has a first branch that
+    keeps the carry (never taken): XLA hoists work that reads only loop invariants out of a
+    loop's body, to run on every step, but not out of a conditional's branches. `pin` fixes
+    the carry's layout on an island mesh. `count` returns (trips run, carry); given as
+    `after` to another event, that event's loop waits for this one (its trip count reads
+    it), so this one may read what the other updates in place without XLA copying it."""
+    keep = lambda c, *_: c  # noqa: E731
 
-    return lax.cond(predicate, taken, lambda *ops: pin(otherwise(*ops)), *operands)
+    def body(state):
+        trip, c = state
+        out = lax.switch(jnp.where(trip < trips, f + 1, 0), [keep, *branches], c, *invariants)
+        return trip + 1, pin(out)
+
+    trips = jnp.asarray(predicate).astype(jnp.int32)
+    if after is not None:  # still `trips`, as after >= 0
+        trips = jnp.maximum(trips, jnp.minimum(after, 0))
+    with jax.named_scope(EVENT_SCOPE):
+        out = lax.while_loop(lambda state: state[0] < trips, body, (jnp.zeros((), jnp.int32), pin(carry)))
+    return out if count else out[1]
 
 
 # ---------------------------------------------------------------- the inner step
@@ -204,9 +219,11 @@ def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_o
         residual = islands.map(lambda r, e: frags.put(r, f, e), residual, res_f)
     new_f, new_opt, update = sync.outer_step(plan.outer_optimizer, mean, outer_opt[f], outer_f)
     anyone = count > 0
+    report = SyncMetrics(sync.tree_norm(mean), jnp.where(anyone, sync.tree_norm(update), 0.0), count, err)
+    # the outer state is written after its norms have read it, so XLA writes it in place
+    anyone = anyone | (jnp.minimum(report.pseudo_grad_norm, report.outer_update_norm) < 0)
     new_f = sync.keep_if(anyone, new_f, outer_f)
     new_opt = sync.keep_if(anyone, new_opt, outer_opt[f])
-    report = SyncMetrics(sync.tree_norm(mean), jnp.where(anyone, sync.tree_norm(update), 0.0), count, err)
     outer_opt = (*outer_opt[:f], new_opt, *outer_opt[f + 1:])
     return frags.put(outer, f, new_f), outer_opt, residual, report
 
@@ -229,13 +246,13 @@ def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, resi
         return exchange_fragment(plan, f, t_sync, deltas, finite, outer, outer_opt, residual)
 
 
-def stash_fragment(plan: Plan, f: int, inner, outer, pending):
+def stash_fragment(plan: Plan, f: int, inner, outer):
     """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step
     (the stash holds one fragment; the previous one was exchanged at the start of this step)."""
     return plan.islands.map(plan.stash.pack, island_deltas(plan, f, inner, outer)[0])
 
 
-def no_exchange(plan: Plan, _, outer, outer_opt, residual):
+def no_exchange(plan: Plan, outer, outer_opt, residual):
     zeros = SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
     return outer, outer_opt, residual, zeros
 
@@ -248,24 +265,23 @@ def pin_exchange(plan: Plan, out):
 def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
     """The direct form: the sync of fragment f(t), if t is a sync step."""
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [partial(sync_fragment, plan, f, t) for f in range(p)]
-    return on_fragment(s.is_sync(t), s.fragment_at(t), branches, partial(no_exchange, plan),
-                       inner, outer, outer_opt, residual, pin=partial(pin_exchange, plan))
+    branches = [lambda c, i, f=f: sync_fragment(plan, f, t, i, *c[:3]) for f in range(p)]
+    carry = no_exchange(plan, outer, outer_opt, residual)
+    return when(s.is_sync(t), s.fragment_at(t), branches, carry, inner, pin=partial(pin_exchange, plan))
 
 
 def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual):
     """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step."""
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [partial(exchange_stashed, plan, f, t_sync) for f in range(p)]
-    return on_fragment(s.is_sync(t_sync), s.fragment_at(t_sync), branches, partial(no_exchange, plan),
-                       pending, outer, outer_opt, residual, pin=partial(pin_exchange, plan))
+    branches = [lambda c, pend, f=f: exchange_stashed(plan, f, t_sync, pend, *c[:3]) for f in range(p)]
+    carry = no_exchange(plan, outer, outer_opt, residual)
+    return when(s.is_sync(t_sync), s.fragment_at(t_sync), branches, carry, pending, pin=partial(pin_exchange, plan))
 
 
 def stash_stage(plan: Plan, t, inner, outer, pending):
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [partial(stash_fragment, plan, f) for f in range(p)]
-    return on_fragment(s.is_sync(t), s.fragment_at(t), branches, lambda i, o, pend: pend,
-                       inner, outer, pending, pin=plan.pin_stash)
+    branches = [lambda pend, i, o, f=f: stash_fragment(plan, f, i, o) for f in range(p)]
+    return when(s.is_sync(t), s.fragment_at(t), branches, pending, inner, outer, pin=plan.pin_stash, count=True)
 
 
 # ---------------------------------------------------------------- apply of one fragment
@@ -282,7 +298,11 @@ def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
 
     def one(island, o):
         own = take(params(island), f)
-        return put(island, f, sync.blend(own, o, plan.alpha)), ~sync.all_finite(own)
+        bad = ~sync.all_finite(own)
+        # a non-finite island keeps its fragment until its reset; reading `bad` here also
+        # orders the check before the write, so the island is updated in place
+        new = jax.tree.map(lambda x, y: jnp.where(bad, x, y), own, sync.blend(own, o, plan.alpha))
+        return put(island, f, new), bad
 
     inner, bad = plan.islands.map(one, inner, outer_f)
     if not plan.islands.local_branches:  # a branch on `bad` would gather it from every island
@@ -310,18 +330,19 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
     return inner, jax.tree.map(lambda x, n: pick(x, n, True), inner_opt, fresh_opt)
 
 
-def apply_stage(plan: Plan, t, inner, inner_opt, outer):
+def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None):
     """The apply of fragment f(t−V), if t is an apply step, and the reset of any island found
     non-finite. Returns (islands, their optimizer states, which were reset)."""
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [partial(apply_fragment, plan, f) for f in range(p)]
+    branches = [lambda c, o, f=f: apply_fragment(plan, f, c[0], c[1], o) for f in range(p)]
     none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
-    inner, inner_opt, bad = on_fragment(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
-                                        lambda i, o_s, o: (i, o_s, none), inner, inner_opt, params(outer),
-                                        pin=lambda out: (*plan.pin_islands(out[:2]), out[2]))
+    inner, inner_opt, bad = when(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
+                                 (inner, inner_opt, none), params(outer),
+                                 pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after)
     if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
-        inner, inner_opt = on_fragment(jnp.any(bad), 0, [partial(reset_islands, plan)], lambda b, i, o, _: (i, o),
-                                       bad, inner, inner_opt, params(outer), pin=plan.pin_islands)
+        reset = lambda c, b, o: reset_islands(plan, b, *c, o)  # noqa: E731
+        inner, inner_opt = when(jnp.any(bad), 0, [reset], (inner, inner_opt), bad, params(outer),
+                                pin=plan.pin_islands)
     return inner, inner_opt, bad
 
 
@@ -355,9 +376,9 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
         inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches)
     t = s.step + 1
     with jax.named_scope("diloco_stash"):
-        pending = stash_stage(plan, t, inner, outer, s.pending)
+        stashed, pending = stash_stage(plan, t, inner, outer, s.pending)
     with jax.named_scope("diloco_apply"):
-        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer)
+        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer, after=stashed)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, pending)
     return new, StepReport(t, losses, report, reset)
 

@@ -3,7 +3,8 @@
 `collectives(hlo_text)` lists every collective of a compiled program with its bytes and
 the computation it sits in; `unconditional_computations(hlo_text)` is the set of
 computations that run on every call (reachable from ENTRY without entering a
-`conditional` branch). A collective outside that set only runs when its branch is taken.
+`conditional` branch or the body of a schedule event's loop). A collective outside that
+set only runs when its branch is taken.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import math
 import re
 
 import numpy as np
+
+from diloco_eqx.schedule import EVENT_SCOPE
 
 COLLECTIVE_OPS = (
     "all-reduce",
@@ -248,31 +251,38 @@ def mesh_groups(axes: str, ids_dims: str | None, ids_perm: str | None, selected:
 
 
 def unconditional_computations(hlo: str) -> set[str]:
-    """Computations run on every call: reachable from ENTRY without a conditional branch."""
+    """Computations run on every call: reachable from ENTRY without entering a conditional
+    branch or a schedule event's loop body."""
     comps, entry = _parse(hlo)
     seen, todo = {entry}, [entry]
     while todo:
         for line in comps.get(todo.pop(), []):
-            if " conditional(" in line:
-                continue  # its branches run only when taken
+            taken_only = set(_branches(line))
             for _, callee in _CALLEE.findall(line):
-                if callee in comps and callee not in seen:
+                if callee in comps and callee not in seen and callee not in taken_only:
                     seen.add(callee)
                     todo.append(callee)
     return seen
 
 
+def _branches(line: str) -> list[str]:
+    """The computations an instruction runs only on some calls: a conditional's branches,
+    the body of a schedule event's loop."""
+    if " conditional(" in line:
+        m = _BRANCHES.search(line)
+        if m:
+            return [c.strip().lstrip("%") for c in m.group(1).split(",")]
+        return [c for key, c in _CALLEE.findall(line) if key.endswith("computation")]
+    if " while(" in line and f"/{EVENT_SCOPE}/" in "".join(_OP_NAME.findall(line)):
+        return [c for key, c in _CALLEE.findall(line) if key == "body"]
+    return []
+
+
 def branch_computations(hlo: str) -> set[str]:
-    """Computations that are a branch of some conditional (or called from one)."""
+    """Computations that run only on some calls (a conditional's branches, a schedule event's
+    loop body), with everything they call."""
     comps, _ = _parse(hlo)
-    roots = set()
-    for lines in comps.values():
-        for line in lines:
-            m = _BRANCHES.search(line)
-            if m:
-                roots |= {c.strip().lstrip("%") for c in m.group(1).split(",")}
-            if " conditional(" in line:
-                roots |= {c for key, c in _CALLEE.findall(line) if key.endswith("computation")}
+    roots = {c for lines in comps.values() for line in lines for c in _branches(line)}
     seen, todo = set(roots), list(roots)
     while todo:
         for line in comps.get(todo.pop(), []):

@@ -1,9 +1,10 @@
 """Is the sync's collective on the critical path? Data dependencies in the traced step.
 
 `analyze(closed_jaxpr)` walks the step's program — through shard_map, jit, cond/switch
-branches and custom derivatives, variable by variable — and records for every equation
-the set of equations it depends on. Loops (scan, while) are treated as a whole: each of
-their outputs depends on all of their inputs. Two questions then have exact answers:
+branches, while-loop bodies and custom derivatives, variable by variable — and records for
+every equation the set of equations it depends on. Loops are treated as a whole: each of
+their outputs depends on all of their inputs; the equations in a while loop's body (the
+schedule's events are loops of zero or one trip) are walked with every input of the loop. Two questions then have exact answers:
 
 - does a cross-island operation depend on anything in the "inner_step" scope (the
   forward, backward and AdamW update of the islands in the same step)?
@@ -71,6 +72,8 @@ def _sub_jaxprs(eqn) -> list[tuple[Any, list]]:
     p, name = eqn.params, eqn.primitive.name
     if name == "cond":
         return [(b.jaxpr, list(eqn.invars[1:])) for b in p["branches"]]
+    if name == "while":  # None: every input of the body depends on every operand
+        return [(p["body_jaxpr"].jaxpr, None)]
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         if key in p and name not in ("scan", "while"):
             j = p[key]
@@ -101,8 +104,11 @@ def analyze(closed_jaxpr) -> Analysis:
                 outs = [frozenset()] * len(eqn.outvars)
                 if eqn.primitive.name == "cond":  # the branch index decides every output
                     outs = [operands[0]] * len(eqn.outvars)
+                if eqn.primitive.name == "while":  # zero trips pass the operands through
+                    outs = [every] * len(eqn.outvars)
                 for sub, bound in subs:
-                    res = walk(sub, [deps_of(v, env) for v in bound], scope)
+                    ins = [every] * len(sub.invars) if bound is None else [deps_of(v, env) for v in bound]
+                    res = walk(sub, ins, scope)
                     outs = [a | b for a, b in zip(outs, res)]
                 for v, d in zip(eqn.outvars, outs):
                     env[v] = d | {nid}

@@ -26,12 +26,28 @@ HLO = """HloModule m
   ROOT %x = f32[2] parameter(0)
 }
 
+%event_body (q: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %q = (s32[], f32[2]) parameter(0)
+  %ar2 = f32[2]{0} all-reduce(%y), channel_id=2, to_apply=%add, metadata={op_name="jit(f)/diloco_apply/schedule_event/while/body/psum"}
+  ROOT %u = (s32[], f32[2]) tuple(%i, %ar2)
+}
+
+%event_cond (q: (s32[], f32[2])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%layer_body (q: (s32[], f32[2])) -> (s32[], f32[2]) {
+  ROOT %q = (s32[], f32[2]) parameter(0)
+}
+
 ENTRY %main (x: f32[2]) -> f32[2] {
   %x = f32[2] parameter(0)
   %ag-start = (f32[2]{0}, f32[8]{0}) all-gather-start(%x), dimensions={0}
   %ag-done = f32[8]{0} all-gather-done(%ag-start)
   %f = f32[2] fusion(%x), kind=kLoop, calls=%fused
   %c = (f32[4,3], bf16[8]) conditional(%pred, %t1, %t2), branch_computations={%sync_branch, %skip_branch}
+  %w = (s32[], f32[2]) while(%init), condition=%event_cond, body=%event_body, metadata={op_name="jit(f)/diloco_apply/schedule_event/while" stack_frame_id=3}
+  %scan = (s32[], f32[2]) while(%init), condition=%event_cond, body=%layer_body, metadata={op_name="jit(f)/inner_step/while"}, backend_config={"known_trip_count":{"n":"8"}}
   ROOT %r = f32[2] copy(%f)
 }
 """
@@ -39,7 +55,7 @@ ENTRY %main (x: f32[2]) -> f32[2] {
 
 def test_collectives_kinds_bytes_and_places():
     found = {c.name: c for c in comms.collectives(HLO)}
-    assert set(found) == {"all-reduce", "ag-start"}
+    assert set(found) == {"all-reduce", "ag-start", "ar2"}
     ar = found["all-reduce"]
     assert (ar.kind, ar.computation, ar.bytes) == ("all-reduce", "sync_branch", 4 * 3 * 4 + 8 * 2)
     assert "diloco_sync" in ar.op_name
@@ -48,8 +64,10 @@ def test_collectives_kinds_bytes_and_places():
 
 
 def test_unconditional_and_branch_computations():
-    assert comms.unconditional_computations(HLO) == {"main", "fused"}
-    assert comms.branch_computations(HLO) == {"sync_branch", "skip_branch", "add"}
+    """A conditional's branches and a schedule event's loop body run only on some steps; a
+    loop of the model (here a scan over layers) and every loop's condition on all of them."""
+    assert comms.unconditional_computations(HLO) == {"main", "fused", "event_cond", "layer_body"}
+    assert comms.branch_computations(HLO) == {"sync_branch", "skip_branch", "add", "event_body"}
 
 
 def test_bytes_sent_matches_a_step_by_step_count():
