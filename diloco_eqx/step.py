@@ -4,9 +4,9 @@ static `Plan`.
 One step, in order: the inner step on every island; t += 1; the sync stage (fragment f(t):
 pseudo-gradients, their mean over the contributing islands, one outer step on f); the apply
 stage (fragment f(t−V): blend the outer fragment into every island, or reset an island
-whose fragment went non-finite). Every schedule position is a branch built by
-`when` (a loop of zero or one trip, on the schedule, around `lax.switch` over fragments), so the step
-compiles once. Vanilla DiLoCo is the one-fragment, V = 0 case of the same functions.
+whose fragment went non-finite). Every schedule event is built by `when` (a loop of zero or
+one trip, on the schedule, around `lax.switch` over fragments), so the step compiles once.
+Vanilla DiLoCo is the one-fragment, V = 0 case of the same functions.
 
 With V >= 1 the exchange is deferred (`deferred_step`): the sync stage of step t only
 stashes each island's pseudo-gradient, and step t+1 begins with the exchange and outer step
@@ -332,7 +332,8 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
 
 def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None):
     """The apply of fragment f(t−V), if t is an apply step, and the reset of any island found
-    non-finite. Returns (islands, their optimizer states, which were reset)."""
+    non-finite; after the event that counted `after` (see `when`). Returns (islands, their
+    optimizer states, which were reset)."""
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [lambda c, o, f=f: apply_fragment(plan, f, c[0], c[1], o) for f in range(p)]
     none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))

@@ -278,6 +278,23 @@ def _branches(line: str) -> list[str]:
     return []
 
 
+def every_step_copy_bytes(hlo: str) -> int:
+    """Bytes that the `copy` instructions running on every call write (outside fusions, in
+    computations reachable without entering a branch): what XLA copies on a step without an
+    event, to compare with plain training's program."""
+    comps, _ = _parse(hlo)
+    fused = {c for lines in comps.values() for line in lines if " fusion(" in line
+             for key, c in _CALLEE.findall(line) if key == "calls"}
+    total = 0
+    for comp in unconditional_computations(hlo) - fused:
+        for line in comps[comp]:
+            m = _INSTRUCTION.match(line)
+            if m and m.group(3) == "copy":
+                total += sum(DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
+                             for dt, dims in _ARRAY.findall(m.group(2)) if dt in DTYPE_BYTES)
+    return total
+
+
 def branch_computations(hlo: str) -> set[str]:
     """Computations that run only on some calls (a conditional's branches, a schedule event's
     loop body), with everything they call."""
