@@ -69,9 +69,10 @@ class Islands(abc.ABC):
     num_islands: int
 
     local_branches: ClassVar[bool] = True
-    """Whether a `lax.cond` may branch on values of the islands the body sees without a
-    collective (with shard_map each device slice decides for its own islands; under plain
-    jit a predicate is global, so branching on an island's value gathers it from all)."""
+    """Whether an event (`step.when`) may branch on values of the islands the body sees
+    without a collective (with shard_map each device slice decides for its own islands;
+    under plain jit a predicate is global, so branching on an island's value gathers it
+    from all)."""
 
     @property
     @abc.abstractmethod
@@ -177,8 +178,8 @@ class ShardMapIslands(Islands):
         return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, first, self.local_count), gathered)
 
     def local(self, tree):
-        # shard_map's type check requires both branches of a `lax.cond` to agree on which
-        # values vary over "diloco"
+        # shard_map's type check requires the branches of an event and its loop carry to agree
+        # on which values vary over "diloco"
         if not self.crosses:
             return tree
         return jax.tree.map(lambda x: lax.pcast(x, mesh_lib.AXIS, to="varying"), tree)

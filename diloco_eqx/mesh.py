@@ -223,7 +223,7 @@ def place_sharded(tree: PyTree, shardings_tree: PyTree) -> PyTree:
 def pin(tree: PyTree, layout: PyTree) -> PyTree:
     """`tree` constrained to `layout` (NamedShardings of the global arrays, None: no mesh),
     from inside the step's body, so GSPMD never picks another layout for a value that
-    crosses a `lax.cond` (it would reshard it on every step). Inside the shard_map over
+    crosses a schedule event's loop (it would reshard it on every step). Inside the shard_map over
     "diloco" a leaf is one slice's share, so its "diloco" entry is dropped."""
     if layout is None:
         return tree

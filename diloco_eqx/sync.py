@@ -31,7 +31,7 @@ def outer_optimizer(cfg: DiLoCoConfig) -> optax.GradientTransformation:
 
 class SyncMetrics(eqx.Module):
     """Diagnostics of one exchange; `zeros` gives the same structure for steps without one,
-    so both branches of the schedule's conditional agree."""
+    so the carry of the schedule's event loop has one structure."""
 
     pseudo_grad_norm: Float[Array, ""]
     """Norm of the mean pseudo-gradient."""
