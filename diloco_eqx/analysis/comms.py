@@ -125,14 +125,17 @@ class Collective:
         return self._bytes(lambda dt: True)
 
     def _bytes(self, keep) -> int:
-        total = 0
-        for dtype, dims in self.shapes:
-            if keep(dtype):
-                n = 1
-                for d in dims:
-                    n *= d
-                total += n * DTYPE_BYTES[dtype]
-        return total
+        return _nbytes(self.shapes, keep)
+
+
+def _shapes(hlo_type: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(dtype, dims) of every array in an HLO type such as `(f32[4,3]{1,0}, bf16[8])`."""
+    return tuple((dt, tuple(int(d) for d in dims.split(",") if d))
+                 for dt, dims in _ARRAY.findall(hlo_type) if dt in DTYPE_BYTES)
+
+
+def _nbytes(shapes, keep=lambda dtype: True) -> int:
+    return sum(DTYPE_BYTES[dt] * math.prod(dims) for dt, dims in shapes if keep(dt))
 
 
 def _parse(hlo: str):
@@ -169,11 +172,7 @@ def collectives(hlo: str) -> list[Collective]:
             kind = op.removesuffix("-start")
             if kind not in COLLECTIVE_OPS or op.endswith("-done"):
                 continue
-            shapes = tuple(
-                (dt, tuple(int(d) for d in dims.split(",") if d))
-                for dt, dims in _ARRAY.findall(out_type)
-                if dt in DTYPE_BYTES
-            )
+            shapes = _shapes(out_type)
             if op.endswith("-start") and len(shapes) > 1:
                 shapes = shapes[len(shapes) // 2 :]  # (operands, results) tuple: keep results
             op_name = _OP_NAME.search(line)
@@ -290,8 +289,7 @@ def every_step_copy_bytes(hlo: str) -> int:
         for line in comps[comp]:
             m = _INSTRUCTION.match(line)
             if m and m.group(3) == "copy":
-                total += sum(DTYPE_BYTES[dt] * math.prod(int(d) for d in dims.split(",") if d)
-                             for dt, dims in _ARRAY.findall(m.group(2)) if dt in DTYPE_BYTES)
+                total += _nbytes(_shapes(m.group(2)))
     return total
 
 

@@ -4,7 +4,8 @@
 branches, while-loop bodies and custom derivatives, variable by variable — and records for
 every equation the set of equations it depends on. Loops are treated as a whole: each of
 their outputs depends on all of their inputs; the equations in a while loop's body (the
-schedule's events are loops of zero or one trip) are walked with every input of the loop. Two questions then have exact answers:
+schedule's events are loops of zero or one trip) are walked with every input of the loop.
+Two questions then have exact answers:
 
 - does a cross-island operation depend on anything in the "inner_step" scope (the
   forward, backward and AdamW update of the islands in the same step)?
@@ -75,7 +76,7 @@ def _sub_jaxprs(eqn) -> list[tuple[Any, list]]:
     if name == "while":  # None: every input of the body depends on every operand
         return [(p["body_jaxpr"].jaxpr, None)]
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        if key in p and name not in ("scan", "while"):
+        if key in p and name != "scan":
             j = p[key]
             return [(getattr(j, "jaxpr", j), list(eqn.invars))]
     return []
