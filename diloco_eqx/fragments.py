@@ -6,10 +6,9 @@ DiLoCo) fragment 0 is the whole model.
 
 `take(tree, f)` returns a tree shaped like `tree` in which leaves outside f are None and
 layer leaves are cut down to f's layers; `put(tree, f, part)` writes such a tree back.
-Contiguous groups are read with a slice and written with a dynamic-update-slice; strided
-groups (the interleaved order) are read through a reshape to (N/s, s, ...) and a slice of
-the second axis, irregular user orders with a gather; every group that is not contiguous is
-written back one layer at a time, each an in-place dynamic-update-slice.
+Contiguous groups are read with a slice and written with a dynamic-update-slice; any other
+group (the interleaved order, a user's irregular order) is read and written one layer at a
+time, so a fragment's update is an in-place write of its own layers.
 """
 
 from __future__ import annotations
@@ -40,34 +39,23 @@ class _Layers:
     """How to read and write one group of layer indices along axis 0."""
 
     indices: tuple[int, ...]
-    num_layers: int
 
     @property
-    def _stride(self) -> int:
+    def contiguous(self) -> bool:
         idx = self.indices
-        return idx[1] - idx[0] if len(idx) > 1 else 1
-
-    @property
-    def kind(self) -> str:
-        idx, s = self.indices, self._stride
-        if idx != tuple(range(idx[0], idx[0] + s * len(idx), s)):
-            return "gather"
-        if s == 1:
-            return "slice"
-        if self.num_layers % s == 0 and idx[0] < s and len(idx) == self.num_layers // s:
-            return "stride"
-        return "gather"
+        return idx == tuple(range(idx[0], idx[0] + len(idx)))
 
     def read(self, x: jax.Array) -> jax.Array:
-        kind, idx, s = self.kind, self.indices, self._stride
-        if kind == "slice":
+        idx = self.indices
+        if self.contiguous:
             return lax.slice_in_dim(x, idx[0], idx[0] + len(idx), axis=0)
-        if kind == "stride":
-            return x.reshape(len(idx), s, *x.shape[1:])[:, idx[0]]
-        return jnp.take(x, jnp.asarray(idx), axis=0)
+        # one slice per layer, like the writes: XLA then updates the stack in place where a
+        # fragment is read and written in one fusion (a strided read through a reshape, or
+        # a gather, makes it copy the whole stack first)
+        return jnp.concatenate([lax.slice_in_dim(x, i, i + 1, axis=0) for i in idx], axis=0)
 
     def write(self, x: jax.Array, v: jax.Array) -> jax.Array:
-        if self.kind == "slice":
+        if self.contiguous:
             return lax.dynamic_update_slice_in_dim(x, v, self.indices[0], axis=0)
         # one in-place update per layer: a strided update through a reshape, or a scatter,
         # makes XLA copy the whole stack
@@ -123,11 +111,11 @@ class Fragmentation:
             return lambda x, is_layer: x
         if f == 0:
             return lambda x, is_layer: None if is_layer else x
-        layers = _Layers(self.groups[f - 1], self.num_layers)
+        layers = _Layers(self.groups[f - 1])
         return lambda x, is_layer: layers.read(x) if is_layer else None
 
     def _put_leaf(self, f: int) -> Callable[[Any, Any, bool], Any]:
-        layers = _Layers(self.groups[f - 1], self.num_layers) if f else None
+        layers = _Layers(self.groups[f - 1]) if f else None
 
         def put(x, p, is_layer):
             if p is None:

@@ -4,8 +4,8 @@ static `Plan`.
 One step, in order: the inner step on every island; t += 1; the sync stage (fragment f(t):
 pseudo-gradients, their mean over the contributing islands, one outer step on f); the apply
 stage (fragment f(t−V): blend the outer fragment into every island, or reset an island
-whose fragment went non-finite). Every schedule event is built by `when` (a loop of zero or
-one trip, on the schedule, around `lax.switch` over fragments), so the step compiles once.
+whose fragment went non-finite). Every schedule event is built by `when` (one loop of zero
+or one trip per fragment, on the schedule), so the step compiles once.
 Vanilla DiLoCo is the one-fragment, V = 0 case of the same functions.
 
 With V >= 1 the exchange is deferred (`deferred_step`): the sync stage of step t only
@@ -148,27 +148,34 @@ def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Ca
     """`branches[f](carry, *invariants)` when `predicate` holds, else `carry`: the one shape
     of every schedule event, so the step compiles once.
 
-    It is a loop of zero or one trip, not a bare conditional, because XLA updates a loop's
-    carry in place, where a conditional that passes its operands through copies them on
-    every step without the event. Inside, the switch over fragments has a first branch that
-    keeps the carry (never taken): XLA hoists work that reads only loop invariants out of a
-    loop's body, to run on every step, but not out of a conditional's branches. `pin` fixes
-    the carry's layout on an island mesh. `count` returns (trips run, carry); given as
-    `after` to another event, that event's loop waits for this one (its trip count reads
-    it), so this one may read what the other updates in place without XLA copying it."""
-    keep = lambda c, *_: c  # noqa: E731
-
-    def body(state):
-        trip, c = state
-        out = lax.switch(jnp.where(trip < trips, f + 1, 0), [keep, *branches], c, *invariants)
-        return trip + 1, pin(out)
-
-    trips = jnp.asarray(predicate).astype(jnp.int32)
-    if after is not None:  # still `trips`, as after >= 0
-        trips = jnp.maximum(trips, jnp.minimum(after, 0))
+    Each branch is its own loop of zero or one trip (`predicate` and f = j), with no
+    conditional inside: XLA updates a loop's carry in place, where a conditional copies an
+    operand that a branch writes into (or passes through) on every step. The invariants
+    reach the body through a select on the trip counter, so XLA cannot hoist work that
+    reads only them out of the loop to run on every step. `pin` fixes the carry's layout
+    on an island mesh. `count` returns (trips run, carry); given as `after` to another
+    event, that event's loops wait for this one (their trip counts read it), so this one
+    may read what the other updates in place without XLA copying it."""
+    ran = jnp.zeros((), jnp.int32)
+    carry = pin(carry)
     with jax.named_scope(EVENT_SCOPE):
-        out = lax.while_loop(lambda state: state[0] < trips, body, (jnp.zeros((), jnp.int32), pin(carry)))
-    return out if count else out[1]
+        for j, branch in enumerate(branches):
+            trips = (jnp.asarray(predicate) & (f == j)).astype(jnp.int32)
+            if after is not None:  # still `trips`, as after >= 0
+                trips = jnp.maximum(trips, jnp.minimum(after, 0))
+
+            def body(state, branch=branch):
+                trip, c = state
+                return trip + 1, pin(branch(c, *_loop_variant(trip, invariants)))
+
+            trip, carry = lax.while_loop(lambda state, n=trips: state[0] < n, body, (jnp.zeros((), jnp.int32), carry))
+            ran = ran + trip
+    return (ran, carry) if count else carry
+
+
+def _loop_variant(trip: Int[Array, ""], tree: PyTree) -> PyTree:
+    """`tree` as a value XLA sees as changing with the loop's trip (trip >= 0 always)."""
+    return jax.tree.map(lambda x: jnp.where(trip >= 0, x, jnp.zeros((), x.dtype)) if eqx.is_array(x) else x, tree)
 
 
 # ---------------------------------------------------------------- the inner step
@@ -246,10 +253,11 @@ def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, resi
         return exchange_fragment(plan, f, t_sync, deltas, finite, outer, outer_opt, residual)
 
 
-def stash_fragment(plan: Plan, f: int, inner, outer):
-    """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step
-    (the stash holds one fragment; the previous one was exchanged at the start of this step)."""
-    return plan.islands.map(plan.stash.pack, island_deltas(plan, f, inner, outer)[0])
+def stash_fragment(plan: Plan, f: int, pending, inner, outer):
+    """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step, in
+    place of the stash's rows (the stash holds one fragment; the previous one was exchanged
+    at the start of this step)."""
+    return plan.islands.map(plan.stash.pack, island_deltas(plan, f, inner, outer)[0], plan.pin_stash(pending))
 
 
 def no_exchange(plan: Plan, outer, outer_opt, residual):
@@ -270,18 +278,23 @@ def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
     return when(s.is_sync(t), s.fragment_at(t), branches, carry, inner, pin=partial(pin_exchange, plan))
 
 
-def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual):
-    """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step."""
+def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual, count: bool = False):
+    """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step
+    (with `count`, also its trip count: see `when`)."""
     s, p = plan.schedule, plan.schedule.num_fragments
     branches = [lambda c, pend, f=f: exchange_stashed(plan, f, t_sync, pend, *c[:3]) for f in range(p)]
     carry = no_exchange(plan, outer, outer_opt, residual)
-    return when(s.is_sync(t_sync), s.fragment_at(t_sync), branches, carry, pending, pin=partial(pin_exchange, plan))
+    return when(s.is_sync(t_sync), s.fragment_at(t_sync), branches, carry, pending,
+                pin=partial(pin_exchange, plan), count=count)
 
 
-def stash_stage(plan: Plan, t, inner, outer, pending):
+def stash_stage(plan: Plan, t, inner, outer, pending, after=None):
+    """The stash of fragment f(t), if t is a sync step, once the exchange that counted
+    `after` has read the previous one; returns (trips run, stash)."""
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [lambda pend, i, o, f=f: stash_fragment(plan, f, i, o) for f in range(p)]
-    return when(s.is_sync(t), s.fragment_at(t), branches, pending, inner, outer, pin=plan.pin_stash, count=True)
+    branches = [lambda pend, i, o, f=f: stash_fragment(plan, f, pend, i, o) for f in range(p)]
+    return when(s.is_sync(t), s.fragment_at(t), branches, pending, inner, outer, pin=plan.pin_stash,
+                after=after, count=True)
 
 
 # ---------------------------------------------------------------- apply of one fragment
@@ -371,13 +384,13 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
     """The exchange of the sync stashed in the previous step, then inner step, stash of this
     step's sync, and apply."""
     with jax.named_scope("diloco_sync"):
-        outer, outer_opt, residual, report = exchange_stage(
-            plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual)
+        exchanged, (outer, outer_opt, residual, report) = exchange_stage(
+            plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual, count=True)
     with jax.named_scope("inner_step"):
         inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches)
     t = s.step + 1
     with jax.named_scope("diloco_stash"):
-        stashed, pending = stash_stage(plan, t, inner, outer, s.pending)
+        stashed, pending = stash_stage(plan, t, inner, outer, s.pending, after=exchanged)
     with jax.named_scope("diloco_apply"):
         inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer, after=stashed)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, pending)

@@ -277,20 +277,25 @@ def _branches(line: str) -> list[str]:
     return []
 
 
-def every_step_copy_bytes(hlo: str) -> int:
-    """Bytes that the `copy` instructions running on every call write (outside fusions, in
-    computations reachable without entering a branch): what XLA copies on a step without an
-    event, to compare with plain training's program."""
+def every_step_copies(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array that the `copy` instructions running on every call
+    write (outside fusions, in computations reachable without entering a branch): what XLA
+    copies on a step without an event, to compare with plain training's program."""
     comps, _ = _parse(hlo)
     fused = {c for lines in comps.values() for line in lines if " fusion(" in line
              for key, c in _CALLEE.findall(line) if key == "calls"}
-    total = 0
+    out = []
     for comp in unconditional_computations(hlo) - fused:
         for line in comps[comp]:
             m = _INSTRUCTION.match(line)
             if m and m.group(3) == "copy":
-                total += _nbytes(_shapes(m.group(2)))
-    return total
+                out += _shapes(m.group(2))
+    return out
+
+
+def every_step_copy_bytes(hlo: str) -> int:
+    """Bytes of `every_step_copies`."""
+    return _nbytes(every_step_copies(hlo))
 
 
 def branch_computations(hlo: str) -> set[str]:

@@ -5,7 +5,9 @@ compiles once and keeps the state's layout; inside an island the gradient reduct
 every step, across islands only the syncs' collectives, on 1/m of a fragment per device
 with fsdp = m."""
 
+import collections
 import itertools
+import math
 
 import equinox as eqx
 import jax
@@ -173,7 +175,7 @@ def test_steps_without_an_event_communicate_and_copy_like_plain_training(mesh_na
     resharded around the schedule's events, although the outer copy is split differently
     from the islands'. And XLA copies no more than in plain training on those steps (a few
     scalars): the events' loops update the state in place (a conditional passing the outer
-    model through copied it, +2·|Θ|·4/(n·m) bytes per step)."""
+    model through copied it, +2·|Θ|·4/(n·m) bytes per step); the only extra copies are scalars and per-island flags."""
     from diloco_eqx.analysis.plain import make_plain_step
     from models.transformer import Transformer, TransformerConfig, loss_fn
 
@@ -191,4 +193,6 @@ def test_steps_without_an_event_communicate_and_copy_like_plain_training(mesh_na
     state = dl.init_state(model, inner, cfg, mesh)
     hlo = dl.make_train_step(cfg, loss_fn, inner, mesh).lower(state, batch).compile().as_text()
     assert every_step(plain_hlo) and every_step(hlo) == every_step(plain_hlo)
-    assert 0 <= comms.every_step_copy_bytes(hlo) - comms.every_step_copy_bytes(plain_hlo) < 64
+    extra = collections.Counter(comms.every_step_copies(hlo)) - collections.Counter(comms.every_step_copies(plain_hlo))
+    # at most scalars and per-island flags: the events' loop counters and masks
+    assert all(math.prod(dims) <= cfg.num_replicas for _, dims in extra), extra

@@ -44,6 +44,10 @@ def check_quick_json(result: dict) -> None:
     cost = result["sync_cost"]["1M"]  # measured against the floor of the bytes a sync touches
     assert cost["floor_s"] > 0 and cost["floor_bytes"] == 2 * (2 + 2) * cost["params"] * 4
     assert cost["vanilla_extra_over_floor"] == pytest.approx(cost["vanilla_sync_extra_s"] / cost["floor_s"])
+    # the same sync written by hand, timed in the same run, can take no less than the floor
+    assert cost["handwritten_sync_s"] > 0.5 * cost["floor_s"]
+    assert cost["vanilla_extra_over_handwritten"] == pytest.approx(cost["vanilla_sync_extra_s"] / cost["handwritten_sync_s"])
+    assert cost["stash_extra_s"] + cost["exchange_apply_extra_s"] == pytest.approx(cost["streaming_sync_extra_s"])
     assert cost["one_over_p"] == 1 / result["settings"]["num_fragments"]
     phases = {(r["mode"], r["phase"]) for r in result["rows"]}
     for mode in ("diloco", "streaming", "diloco_drjax", "streaming_drjax"):  # both backends
