@@ -174,8 +174,14 @@ def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Ca
 
 
 def _loop_variant(trip: Int[Array, ""], tree: PyTree) -> PyTree:
-    """`tree` as a value XLA sees as changing with the loop's trip (trip >= 0 always)."""
-    return jax.tree.map(lambda x: jnp.where(trip >= 0, x, jnp.zeros((), x.dtype)) if eqx.is_array(x) else x, tree)
+    """`tree` as a value XLA sees as changing with the loop's trip (trip >= 0 always);
+    typed PRNG keys, which have no zero, pass through."""
+    def one(x):
+        if not eqx.is_array(x) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x
+        return jnp.where(trip >= 0, x, jnp.zeros((), x.dtype))
+
+    return jax.tree.map(one, tree)
 
 
 # ---------------------------------------------------------------- the inner step
