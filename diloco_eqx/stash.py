@@ -68,7 +68,7 @@ class Stash:
         """One island's fragment tree (leaves outside the fragment None) as a stash row:
         written over the front of `row` in place (what lies past the fragment's values is
         never read), or into a zero row."""
-        row = jnp.zeros((*self.grid, self.size), self.dtype) if row is None else row
+        row = self.zeros(1)[0] if row is None else row
         offset = 0
         for x in jax.tree.leaves(tree):
             piece = self._to_grid(x).astype(self.dtype)

@@ -156,11 +156,11 @@ def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Ca
     on an island mesh. `count` returns (trips run, carry); given as `after` to another
     event, that event's loops wait for this one (their trip counts read it), so this one
     may read what the other updates in place without XLA copying it."""
-    ran = jnp.zeros((), jnp.int32)
+    ran, predicate = jnp.zeros((), jnp.int32), jnp.asarray(predicate)
     carry = pin(carry)
     with jax.named_scope(EVENT_SCOPE):
         for j, branch in enumerate(branches):
-            trips = (jnp.asarray(predicate) & (f == j)).astype(jnp.int32)
+            trips = (predicate & (f == j)).astype(jnp.int32)
             if after is not None:  # still `trips`, as after >= 0
                 trips = jnp.maximum(trips, jnp.minimum(after, 0))
 

@@ -347,10 +347,11 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     floor = _stream_floor(floor_bytes // 4)
     by_hand = _handwritten_sync(model, k, vanilla)
     vanilla_extra = diff(("diloco", sync_period), ("diloco", 5))
-    streaming_extra = diff(("streaming", "sync"), ("streaming", 5)) + diff(("streaming", "after"), ("streaming", 5))
+    stash_extra = diff(("streaming", "sync"), ("streaming", 5))
+    exchange_extra = diff(("streaming", "after"), ("streaming", 5))
+    streaming_extra = stash_extra + exchange_extra
     return {"params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
-            "stash_extra_s": diff(("streaming", "sync"), ("streaming", 5)),
-            "exchange_apply_extra_s": diff(("streaming", "after"), ("streaming", 5)),
+            "stash_extra_s": stash_extra, "exchange_apply_extra_s": exchange_extra,
             "plain_s": float(np.median(times[("plain", None)])),
             "vanilla_sync_extra_s": vanilla_extra, "vanilla_extra_over_floor": vanilla_extra / floor,
             "handwritten_sync_s": by_hand, "handwritten_over_floor": by_hand / floor,
@@ -370,7 +371,6 @@ def _handwritten_sync(model, k: int, cfg, reps: int = 15) -> float:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     tx = optax.sgd(cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
@@ -383,29 +383,31 @@ def _handwritten_sync(model, k: int, cfg, reps: int = 15) -> float:
         islands = jax.tree.map(lambda o, i: jnp.broadcast_to(o, i.shape).astype(i.dtype), new, islands)
         return islands, new, opt, optax.tree.norm(mean), optax.tree.norm(update)
 
-    run = jax.jit(sync, donate_argnums=(0, 1, 2))
-    args = (jax.tree.map(lambda x: jnp.stack([x] * k), outer), jax.tree.map(lambda x: x + 0, outer), tx.init(outer))
-    args = jax.block_until_ready(run(*args))[:3]
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        args = jax.block_until_ready(run(*args))[:3]
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    run = jax.jit(lambda args: sync(*args), donate_argnums=0)  # the norms are outputs: computed
+    islands = jax.tree.map(lambda x: jnp.stack([x] * k), outer)
+    return _donated_seconds(run, (islands, jax.tree.map(lambda x: x + 0, outer), tx.init(outer)), reps,
+                            state=lambda out: out[:3])
 
 
 def _stream_floor(values: int, reps: int = 15) -> float:
     """Seconds of one fused, in-place pass that reads and writes `values` float32 values."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     touch = jax.jit(lambda x: x * 1.0000001 + 1e-9, donate_argnums=0)
-    x = jax.block_until_ready(touch(jnp.ones((values,), jnp.float32)))
+    return _donated_seconds(touch, jnp.ones((values,), jnp.float32), reps)
+
+
+def _donated_seconds(run, x, reps: int, state=lambda out: out) -> float:
+    """Median seconds of `x = state(run(x))` (x donated), after one warm-up call."""
+    import jax
+    import numpy as np
+
+    x = state(jax.block_until_ready(run(x)))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        x = jax.block_until_ready(touch(x))
+        x = state(jax.block_until_ready(run(x)))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
 

@@ -175,7 +175,8 @@ def test_steps_without_an_event_communicate_and_copy_like_plain_training(mesh_na
     resharded around the schedule's events, although the outer copy is split differently
     from the islands'. And XLA copies no more than in plain training on those steps (a few
     scalars): the events' loops update the state in place (a conditional passing the outer
-    model through copied it, +2·|Θ|·4/(n·m) bytes per step); the only extra copies are scalars and per-island flags."""
+    model through copied it, +2·|Θ|·4/(n·m) bytes per step); the only extra copies are
+    scalars and per-island flags."""
     from diloco_eqx.analysis.plain import make_plain_step
     from models.transformer import Transformer, TransformerConfig, loss_fn
 
