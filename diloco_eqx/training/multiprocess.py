@@ -9,8 +9,11 @@ batch as a one-process run.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -29,10 +32,67 @@ def use_host_devices(n: int) -> None:
 def initialize(coordinator: str, num_processes: int, process_id: int, heartbeat_timeout: int) -> None:
     """Join the run's processes (jax.distributed); CPU collectives go through gloo."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # GPU/TPU ignore it
+    # The runtime's own heartbeat aborts the process with a native stack trace; give it twice
+    # the time, so that `PeerWatch` (at heartbeat_timeout) finds a silent peer first and says so.
     jax.distributed.initialize(
         coordinator, num_processes, process_id,
-        heartbeat_timeout_seconds=heartbeat_timeout, shutdown_timeout_seconds=heartbeat_timeout,
+        heartbeat_timeout_seconds=2 * heartbeat_timeout + 10, shutdown_timeout_seconds=heartbeat_timeout,
     )
+
+
+class PeerWatch:
+    """A heartbeat of our own over the runtime's key-value store, to find a hung peer.
+
+    A thread bumps this process's counter every timeout/10 s and reads every peer's. A peer
+    whose counter has not moved (stopped, hung or dead), or a store that has not answered (the
+    coordinator, process 0, is stopped), is lost once that has lasted the timeout less one beat,
+    counted from when this process last saw a change, so within `timeout` of the peer's last
+    beat; `on_lost(who, silent_s)` is called from a second thread that only reads clocks, so
+    it fires even while a store call blocks.
+    A process that leaves (`stop`) marks itself done and is not waited for.
+    """
+
+    PREFIX = "diloco_eqx/heartbeat/"
+
+    def __init__(self, timeout: float, on_lost: Callable[[str, float], None]):
+        from jax._src import distributed
+
+        self._client, self.timeout, self._on_lost = distributed.global_state.client, timeout, on_lost
+        self._me, self._n = jax.process_index(), jax.process_count()
+        now = time.monotonic()
+        self._seen: dict[int, tuple[str, float]] = {p: ("", now) for p in range(self._n) if p != self._me}
+        self._answered, self._done = now, threading.Event()
+
+    def __enter__(self) -> PeerWatch:
+        for target in (self._beat, self._check):
+            threading.Thread(target=target, daemon=True, name=f"diloco_eqx{target.__name__}").start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        with contextlib.suppress(Exception):
+            self._client.key_value_set(f"{self.PREFIX}{self._me}", "done", allow_overwrite=True)
+
+    def _beat(self) -> None:
+        count = 0
+        while not self._done.wait(self.timeout / 10):
+            count += 1
+            self._client.key_value_set(f"{self.PREFIX}{self._me}", str(count), allow_overwrite=True)
+            values = dict(self._client.key_value_dir_get(self.PREFIX))
+            now = self._answered = time.monotonic()
+            for p, (last, since) in self._seen.items():
+                value = values.get(f"{self.PREFIX}{p}", last)
+                self._seen[p] = (value, since if value == last and value != "done" else now)
+
+    def _check(self) -> None:
+        limit = 0.9 * self.timeout
+        while not self._done.wait(min(0.25, self.timeout / 40)):
+            now = time.monotonic()
+            if now - self._answered > limit:
+                return self._on_lost("the coordinator (process 0)", now - self._answered)
+            for p, (_, since) in self._seen.items():
+                if now - since > limit:
+                    return self._on_lost(f"process {p}", now - since)
 
 
 def process_mesh(slices_per_process: int | None, data: int = 1, fsdp: int = 1) -> jax.sharding.Mesh:

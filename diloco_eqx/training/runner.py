@@ -8,8 +8,10 @@ anything is written; only process 0 writes files in multi-process runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import platform
 import sys
 import warnings
@@ -220,9 +222,16 @@ def run(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run (or resume) one training job; returns the summary written to run.json."""
     if cfg.diloco_slices:
         multiprocess.use_host_devices(cfg.diloco_slices * cfg.island_devices)
+    out = Path(cfg.out)
+    watch = contextlib.nullcontext()
     if cfg.distributed:
         multiprocess.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
-    out = Path(cfg.out)
+        watch = multiprocess.PeerWatch(cfg.heartbeat_timeout, lambda who, s: _peer_lost(cfg, out, who, s))
+    with watch:
+        return _checked_run(cfg, out, argv)
+
+
+def _checked_run(cfg: RunConfig, out: Path, argv: list[str] | None) -> dict[str, Any]:
     check_out(cfg, out)
     job = build(cfg)
     if cfg.distributed:  # every process has passed the checks before any of them writes
@@ -317,6 +326,18 @@ def _finish(job: Job, out: Path, meta: dict, final: dict[str, float], primary: b
 
 def _plot(out: Path) -> None:
     plot_runs([out], out / "loss.png")
+
+
+def _peer_lost(cfg: RunConfig, out: Path, who: str, silent: float) -> None:
+    """A peer has been silent for --heartbeat-timeout seconds: say so and leave at once (this
+    process would otherwise wait in a collective the peer never joins)."""
+    steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()]
+    last = f"step {max(steps)}" if steps else "none yet"
+    print(f"error: process {cfg.process_id} of {cfg.num_processes} stopped: {who} sent no heartbeat "
+          f"for {silent:.0f} s (--heartbeat-timeout {cfg.heartbeat_timeout}): it is hung, stopped or dead\n"
+          f"  restart every process with --resume to continue from the last checkpoint in "
+          f"{out / 'checkpoints'} ({last})", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 class _Discard:

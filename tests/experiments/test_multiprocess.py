@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,9 +68,59 @@ def test_two_processes_equal_one(tmp_path, backend):
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["12", "6"]
 
 
+FAILING = [*TINY, "--steps", "60", "--eval-every", "10", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Per-step losses of the run that the failing ones must reproduce once resumed."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    single(FAILING, out)
+    return losses(out)
+
+
+def wait_for_checkpoint(out, step, proc, log):
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / str(step)).exists():
+        assert time.time() < deadline and proc.poll() is None, log.read_text()[-2000:]
+        time.sleep(0.2)
+
+
+@pytest.mark.slow  # end to end: four training processes
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_hung_process_stops_the_other_within_the_heartbeat_timeout(tmp_path, straight, stopped):
+    """SIGSTOP one of two processes (1, or 0, which holds the coordinator): the other stops
+    with a one-line error naming the silent process within --heartbeat-timeout, exit 1; both
+    restarted with --resume give the uninterrupted per-step losses."""
+    timeout = 10
+    out = tmp_path / "run"
+    procs = dict(zip((1, 0), launch_pair([*FAILING, "--heartbeat-timeout", str(timeout)], out, tmp_path, "h")))
+    survivor = 1 - stopped
+    wait_for_checkpoint(out, 20, procs[0], tmp_path / "h0.log")
+    os.kill(procs[stopped].pid, signal.SIGSTOP)
+    hung = time.monotonic()
+    try:
+        assert procs[survivor].wait(timeout=3 * timeout) == 1
+        took = time.monotonic() - hung
+    finally:
+        procs[stopped].kill()
+        procs[stopped].wait()
+    print(f"process {survivor} stopped {took:.1f} s after process {stopped} was")
+    assert took < timeout + 1  # the watch fires within the timeout; + exit
+    log = (tmp_path / f"h{survivor}.log").read_text()
+    who = "the coordinator (process 0)" if stopped == 0 else "process 1"
+    assert f"error: process {survivor} of 2 stopped: {who} sent no heartbeat for" in log
+    assert "restart every process with --resume" in log and "Check failure" not in log
+    resumed = launch_pair([*FAILING, "--resume"], out, tmp_path, "r")
+    assert [p.wait(timeout=300) for p in resumed] == [0, 0], (tmp_path / "r0.log").read_text()[-2000:]
+    steps_r, lr = losses(out)
+    assert steps_r == straight[0]
+    np.testing.assert_allclose(lr, straight[1], rtol=1e-6)
+
+
 @pytest.mark.slow
-def test_killed_process_stops_the_other_and_both_resume(tmp_path):
-    args = [*TINY, "--steps", "60", "--eval-every", "10", "--checkpoint-every", "10"]
+def test_killed_process_stops_the_other_and_both_resume(tmp_path, straight):
+    args = FAILING
     out = tmp_path / "run"
     p1, p0 = launch_pair(args, out, tmp_path, "k")
     deadline = time.time() + 300
@@ -84,11 +135,9 @@ def test_killed_process_stops_the_other_and_both_resume(tmp_path):
     assert "error: process 0 of 2 stopped" in log and "--resume" in log
     procs = launch_pair([*args, "--resume"], out, tmp_path, "r")
     assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "r0.log").read_text()[-2000:]
-    single(args, tmp_path / "straight")
     steps_r, lr = losses(out)
-    steps_s, ls = losses(tmp_path / "straight")
-    assert steps_r == steps_s
-    np.testing.assert_allclose(lr, ls, rtol=1e-6)
+    assert steps_r == straight[0]
+    np.testing.assert_allclose(lr, straight[1], rtol=1e-6)
 
 
 @pytest.mark.slow  # end to end: five training processes
