@@ -264,9 +264,20 @@ def resume_command(prog: str, argv: Sequence[str]) -> str:
     return " ".join([prog, *(a for a in argv if a != "--resume"), "--resume"])
 
 
+def write_error(e: OSError, out: Path) -> str:
+    """What a failed write means for the run in `out`: the checkpointer's own words, or the
+    file that could not be written and the last complete checkpoint."""
+    if e.filename is None and str(out) in str(e):
+        return e.strerror or str(e)
+    steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()]
+    last = f"step {max(steps)}" if steps else "none"
+    return (f"cannot write {e.filename or 'in ' + str(out)}: {e.strerror or e} (the last complete "
+            f"checkpoint in {out / 'checkpoints'}: {last})")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """Run the training command; the exit status (0, 2 for bad input, 128+signal when
-    interrupted, 1 when a peer process failed)."""
+    interrupted, 1 when a peer process failed or the run directory could not be written)."""
     from diloco_eqx.training.loop import Interrupted
     from diloco_eqx.training.runner import run
 
@@ -289,6 +300,12 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             shutil.rmtree(out, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the run directory's disk filled up, or it stopped being writable
+        print(f"error: {write_error(e, out)}; free space (or fix {out}) and continue with: "
+              f"{resume_command(prog, argv)}", file=sys.stderr, flush=True)
+        if cfg.distributed:
+            os._exit(1)
+        return 1
     except Exception as e:
         if not cfg.distributed:
             raise

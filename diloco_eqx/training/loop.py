@@ -8,6 +8,7 @@ restored step are dropped on resume, so a resumed run's file reads as one uninte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -84,16 +85,14 @@ class LoopConfig:
 
 
 class JsonlWriter:
-    """Appends one JSON object per line; on resume keeps only lines up to `keep_through`."""
+    """Appends one JSON object per line; on resume keeps only lines up to `keep_through`
+    (and drops a last line cut short by a crash or a full disk)."""
 
     def __init__(self, path: str | os.PathLike, keep_through: int | None = None):
         self.path = Path(path)
         if keep_through is not None and self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= keep_through
-            ]
-            _atomic_write(self.path, "".join(line + "\n" for line in kept))
+            kept = [r for r in _complete_records(self.path) if r[1].get("step", 0) <= keep_through]
+            _atomic_write(self.path, "".join(line + "\n" for line, _ in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -102,6 +101,16 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _complete_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of every line that parses; only a file's last line can be cut short."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if line.strip():
+                out.append((line, json.loads(line)))
+    return out
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -68,10 +68,11 @@ class PeerWatch:
             threading.Thread(target=target, daemon=True, name=f"diloco_eqx{target.__name__}").start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self._done.set()
-        with contextlib.suppress(Exception):
-            self._client.key_value_set(f"{self.PREFIX}{self._me}", "done", allow_overwrite=True)
+        if exc_type is None:  # a process that failed stays silent: its peers must not wait for it
+            with contextlib.suppress(Exception):
+                self._client.key_value_set(f"{self.PREFIX}{self._me}", "done", allow_overwrite=True)
 
     def _beat(self) -> None:
         count = 0

@@ -279,10 +279,13 @@ def _train(job: Job, out: Path, checkpointer: Checkpointer, meta: dict[str, Any]
 def _restore(job: Job, out: Path, checkpointer: Checkpointer, batches):
     """(state, start step, elapsed seconds, RNG key): fresh, or from the latest checkpoint."""
     state, start, elapsed, key = job.state, 0, 0.0, jax.random.key(job.cfg.seed)
-    if job.cfg.resume and checkpointer.latest_step() is None:
+    if not job.cfg.resume:
+        return state, start, elapsed, key
+    restored = checkpointer.restore_intact(state, say=lambda line: print(f"--resume: {line}", file=sys.stderr))
+    if restored is None:
         print(f"--resume: no checkpoint in {out / 'checkpoints'} yet; starting from step 0", file=sys.stderr)
-    elif job.cfg.resume:
-        start, state, extra = checkpointer.restore(state)
+    else:
+        start, state, extra = restored
         batches.set_state(extra["data"])
         key, elapsed = key_from_json(extra["rng"]), extra["elapsed"]
         print(f"resumed from {out / 'checkpoints'} at step {start}", file=sys.stderr)
