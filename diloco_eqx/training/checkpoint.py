@@ -126,7 +126,7 @@ class Checkpointer:
         of space midway leaves the storage layer's callbacks failing noisily)."""
         need = int(1.25 * nbytes) + (1 << 16)
         free = shutil.disk_usage(self.directory).free
-        if free < need:
+        if _on_any_process(free < need):  # all processes save, or none
             raise self._write_error(step, OSError(errno.ENOSPC, f"No space left: checkpoint step {step} "
                                                   f"needs about {need:,} bytes, {free:,} are free"))
 
