@@ -31,6 +31,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import Array, UInt32
 
+from diloco_eqx.training import multiprocess
+
 PAUSE_IN_SAVE = "DILOCO_EQX_TEST_PAUSE_IN_SAVE"
 """Test hook: with this environment variable set to a step, the save of that step stops
 inside the write (its temporary directory exists, the checkpoint is not committed), prints
@@ -200,14 +202,19 @@ class Checkpointer:
                 shutil.rmtree(aside)
             os.replace(self.directory / str(step), aside)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"diloco_eqx: checkpoint {step} set aside")
+            multiprocess.sync_processes(f"diloco_eqx: checkpoint {step} set aside")
         self._manager.reload()
         return aside
 
     def close(self) -> None:
         self._manager.close()
+
+
+def last_complete_step(directory: str | os.PathLike) -> int | None:
+    """The newest committed checkpoint under `directory`, from the directory names alone (no
+    orbax call: safe from any thread, and while a peer holds the runtime)."""
+    steps = [int(p.name) for p in Path(directory).glob("*") if p.name.isdigit()]
+    return max(steps) if steps else None
 
 
 def _on_any_process(flag: bool) -> bool:
@@ -229,9 +236,10 @@ def _checked(out: tuple[eqx.Module, dict]) -> dict:
     saved = extra.pop("fingerprint", None)
     if saved is None:
         return extra
-    got = fingerprint(eqx.filter(state, eqx.is_array))
+    arrays = eqx.filter(state, eqx.is_array)
+    got = fingerprint(arrays)
     if got.shape != np.shape(saved) or not np.array_equal(got, np.asarray(saved, np.uint32)):
-        leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(state, eqx.is_array))
+        leaves = jax.tree_util.tree_leaves_with_path(arrays)
         bad = [jax.tree_util.keystr(p) for (p, _), a, b in zip(leaves, got, np.asarray(saved))
                if not np.array_equal(a, b)]
         raise DamagedCheckpoint(f"its arrays differ from the fingerprint saved with them: {', '.join(bad[:3])}")

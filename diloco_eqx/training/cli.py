@@ -269,8 +269,10 @@ def write_error(e: OSError, out: Path) -> str:
     file that could not be written and the last complete checkpoint."""
     if e.filename is None and str(out) in str(e):
         return e.strerror or str(e)
-    steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()]
-    last = f"step {max(steps)}" if steps else "none"
+    from diloco_eqx.training.checkpoint import last_complete_step
+
+    last = last_complete_step(out / "checkpoints")
+    last = "none" if last is None else f"step {last}"
     return (f"cannot write {e.filename or 'in ' + str(out)}: {e.strerror or e} (the last complete "
             f"checkpoint in {out / 'checkpoints'}: {last})")
 

@@ -27,7 +27,7 @@ import diloco_eqx as dl
 from diloco_eqx.analysis import comms
 from diloco_eqx.ddp import init_ddp_state, make_ddp_step
 from diloco_eqx.training import data, multiprocess
-from diloco_eqx.training.checkpoint import Checkpointer, key_from_json, key_to_json
+from diloco_eqx.training.checkpoint import Checkpointer, key_from_json, key_to_json, last_complete_step
 from diloco_eqx.training.config import RESUMABLE, RunConfig
 from diloco_eqx.training.loop import (
     Interrupted,
@@ -334,8 +334,8 @@ def _plot(out: Path) -> None:
 def _peer_lost(cfg: RunConfig, out: Path, who: str, silent: float) -> None:
     """A peer has been silent for --heartbeat-timeout seconds: say so and leave at once (this
     process would otherwise wait in a collective the peer never joins)."""
-    steps = [int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit()]
-    last = f"step {max(steps)}" if steps else "none yet"
+    last = last_complete_step(out / "checkpoints")
+    last = "none yet" if last is None else f"step {last}"
     print(f"error: process {cfg.process_id} of {cfg.num_processes} stopped: {who} sent no heartbeat "
           f"for {silent:.0f} s (--heartbeat-timeout {cfg.heartbeat_timeout}): it is hung, stopped or dead\n"
           f"  restart every process with --resume to continue from the last checkpoint in "
