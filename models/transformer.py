@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -133,3 +134,8 @@ def loss_fn(model: Transformer, batch: Int[Array, "B T1"]) -> Float[Array, ""]:
 
 def count_params(model: eqx.Module) -> int:
     return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
+def build(config: TransformerConfig, key: PRNGKeyArray) -> tuple[Transformer, Callable]:
+    """The training CLI's default `--model models.transformer:build`: the model and its loss."""
+    return Transformer(config, key), loss_fn

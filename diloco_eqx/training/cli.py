@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco_eqx.training.config import RunConfig, cli_fields, flag_name
+from diloco_eqx.training.config_files import config_flags, config_path, read_config
+from models.io import resolve_factory
 
 GROUPS = {"diloco": "algorithm (the knobs of ALGORITHM.md)", "model": "model",
           "optim": "inner optimizer (AdamW, warmup + cosine decay)", "data": "data"}
@@ -147,16 +149,22 @@ def build_parser(prog: str, description: str | None = None, default: RunConfig |
     """The training command line: one group per section of `RunConfig`."""
     default = RunConfig() if default is None else default
     parser = Parser(prog=prog, description=description, formatter_class=HelpFormatter)
+    grouped = {f.name: f.metadata["group"] for f in cli_fields(RunConfig) if "group" in f.metadata}
     for field in dataclasses.fields(RunConfig):
         if field.name in GROUPS:
-            add_flags(parser.add_argument_group(GROUPS[field.name]), getattr(default, field.name),
-                      field.metadata.get("fields"))
-    run_fields = [f.name for f in cli_fields(RunConfig) if f.name not in GROUPS]
+            group = parser.add_argument_group(GROUPS[field.name])
+            add_flags(group, default, only=[n for n, g in grouped.items() if g == field.name])
+            add_flags(group, getattr(default, field.name), field.metadata.get("fields"))
+    run_fields = [f.name for f in cli_fields(RunConfig) if f.name not in GROUPS and f.name not in grouped]
     add_flags(parser.add_argument_group("run"), default, only=[f for f in run_fields if f not in MULTIPROCESS])
     add_flags(parser.add_argument_group(
         "multi-process (jax.distributed; defaults from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
         "JAX_PROCESS_ID)"), default, only=MULTIPROCESS)
     parser.set_defaults(coordinator=None, num_processes=None, process_id=None)
+    parser.add_argument("--config", metavar="FILE", help=(
+        "Settings from a YAML or JSON file keyed like the flags (flat, or under diloco: model: "
+        "optim: data: run:), or an earlier run's run.json to run it again; flags given here "
+        "override it."))
     return parser
 
 
@@ -164,6 +172,10 @@ def parse_run_config(argv: Sequence[str] | None, parser: Parser) -> RunConfig:
     """A RunConfig from the command line (and the JAX_* environment for multi-process runs).
     Flag-level problems exit with a usage error; the algorithm's own checks raise
     ValueError naming the knob."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    path = config_path(argv)
+    if path is not None:
+        argv = config_flags(read_config(path), parser, path) + argv
     args = parser.parse_args(argv)
     env = os.environ
     if args.coordinator is None and env.get("JAX_COORDINATOR_ADDRESS"):
@@ -203,6 +215,10 @@ def check_flags(a: argparse.Namespace, parser: Parser) -> None:
     for name in ("data_parallel", "fsdp"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}")
+    try:
+        resolve_factory(a.model)
+    except ValueError as e:
+        parser.error(str(e))
     island = a.global_batch // a.num_replicas
     if island % a.data_parallel:
         parser.error(f"--data-parallel={a.data_parallel} must divide each island's batch, "

@@ -18,7 +18,9 @@ from diloco_eqx.islands import registered_backends
 from models.transformer import TransformerConfig
 
 MODES = ("diloco", "ddp")
-RESUMABLE = ("resume", "progress", "out", "coordinator", "num_processes", "process_id",
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+DEFAULT_MODEL = "models.transformer:build"
+RESUMABLE = ("resume", "tracker", "progress", "out", "coordinator", "num_processes", "process_id",
              "heartbeat_timeout", "devices", "data_parallel", "fsdp", "backend", "checkpoint_every")
 """Settings a --resume may change: none of them changes a number the run computes (the
 islands' layout over devices and processes, how the step is compiled, where checkpoints
@@ -70,6 +72,9 @@ class DataConfig:
     """Each island trains only on its own contiguous block of files."""
     eval_batches: int = 8
     """Held-out batches of GBS windows per evaluation."""
+    tokenizer: str = "bytes"
+    """bytes (UTF-8 bytes are the tokens, vocabulary 256) | bpe:N (a byte-level BPE of
+    vocabulary N trained on the training split at start and saved in the run directory)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +87,11 @@ class RunConfig:
     diloco: DiLoCoConfig = dataclasses.field(
         default_factory=lambda: DiLoCoConfig(sync_period=30, streaming=True, num_fragments=3),
         metadata={"fields": DILOCO_FLAGS})
+    model_factory: str = dataclasses.field(default=DEFAULT_MODEL, metadata={
+        "flag": "model", "group": "model", "metavar": "PACKAGE.MODULE:FACTORY"})
+    """The model: a function factory(config, key) -> (model, loss_fn) given the model
+    settings below (a TransformerConfig with the tokenizer's vocabulary and --seq-len);
+    the default is the built-in transformer."""
     model: TransformerConfig = dataclasses.field(default_factory=lambda: TransformerConfig(width=128))
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -114,6 +124,10 @@ class RunConfig:
     collectives chosen by GSPMD); the numbers are the same. (--mode ddp always uses shard_map.)"""
     progress: bool = True
     """Show a progress bar."""
+    tracker: tuple[str, ...] = dataclasses.field(default=("jsonl",), metadata={"choices": TRACKERS})
+    """Where metrics go, one or more of: jsonl (metrics.jsonl, always written), tensorboard
+    (event files in OUT/tensorboard), wandb (Weights & Biases; WANDB_MODE=offline works
+    with no network)."""
     coordinator: str | None = dataclasses.field(default=None, metadata={"metavar": "HOST:PORT"})
     """Multi-process: address of process 0's coordination service; turns multi-process on
     (default: $JAX_COORDINATOR_ADDRESS)."""

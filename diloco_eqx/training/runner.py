@@ -40,7 +40,8 @@ from diloco_eqx.training.loop import (
     write_json,
 )
 from diloco_eqx.training.plots import plot_runs
-from models.transformer import Transformer, count_params, loss_fn
+from models.io import build_model
+from models.transformer import count_params
 
 
 @dataclasses.dataclass
@@ -55,6 +56,7 @@ class Job:
     held_out: list
     train_ds: Any
     model: eqx.Module
+    loss_fn: Callable
     state: Any
     step_fn: Callable
     fragment_params: list[int]
@@ -125,7 +127,7 @@ def build(cfg: RunConfig) -> Job:
                                   non_iid=d.non_iid, rows=rows)
     held_out = data.eval_batches(corpus, eval_ids, seq_len=d.seq_len, batch_size=d.global_batch,
                                  max_batches=d.eval_batches)
-    model = Transformer(cfg.model_config, jax.random.key(cfg.seed))
+    model, loss_fn = build_model(cfg.model_factory, cfg.model_config, jax.random.key(cfg.seed))
     inner, lr = inner_optimizer(cfg)
     if cfg.mode == "diloco":
         state = dl.init_state(model, inner, cfg.diloco, mesh)  # checks layers vs fragments
@@ -136,8 +138,8 @@ def build(cfg: RunConfig) -> Job:
         state = init_ddp_state(model, inner, mesh)
         step_fn = make_ddp_step(cfg.diloco.num_replicas, loss_fn, inner, mesh)
         fragment_params = [count_params(model)]
-    return Job(cfg, mesh, corpus, train_ids, eval_ids, held_out, train_ds, model, state, step_fn,
-               fragment_params, lr)
+    return Job(cfg, mesh, corpus, train_ids, eval_ids, held_out, train_ds, model, loss_fn, state,
+               step_fn, fragment_params, lr)
 
 
 def check_out(cfg: RunConfig, out: Path) -> None:
@@ -182,7 +184,7 @@ def describe_step(job: Job) -> Callable[[int], dict[str, Any]]:
 
 def evaluator(job: Job) -> Callable[[Any], dict[str, float]]:
     """Held-out loss of the outer model (DDP: its one model), and optionally island 0."""
-    eval_loss = eqx.filter_jit(loss_fn)
+    eval_loss = eqx.filter_jit(job.loss_fn)
 
     def evaluate(state) -> dict[str, float]:
         if job.cfg.mode == "ddp":
@@ -205,7 +207,8 @@ def metadata(job: Job, argv: list[str]) -> dict[str, Any]:
         "diloco_config": diloco,
         "schedule": None if schedule is None else {
             "steps_between_syncs": schedule.steps_between_syncs, "period": schedule.period},
-        "model": dataclasses.asdict(cfg.model_config) | {"params": count_params(job.model)},
+        "model": dataclasses.asdict(cfg.model_config) | {"factory": cfg.model_factory,
+                                                         "params": count_params(job.model)},
         "fragment_params": job.fragment_params,
         "corpus": corpus.metadata | {"train_documents": len(job.train_ids),
                                      "eval_documents": len(job.eval_ids),
