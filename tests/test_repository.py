@@ -57,3 +57,20 @@ def test_layers_point_down_and_nothing_cycles():
         return False
 
     assert [m for m in graph if reaches(m, m, set())] == []
+
+
+def test_accelerator_extras_name_extras_the_installed_jax_declares():
+    """`pip install -e ".[cuda12]"` etc. resolve: each accelerator extra asks jax for an extra
+    jax itself offers (in the installed jax's metadata), and the README gives the line."""
+    import re
+    import tomllib
+    from importlib.metadata import requires
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    offered = {m for r in requires("jax") for m in re.findall(r'extra == "([\w-]+)"', r)}
+    accelerators = {name: deps for name, deps in extras.items() if name in ("cuda12", "cuda13", "tpu")}
+    assert set(accelerators) == {"cuda12", "cuda13", "tpu"}
+    for name, deps in accelerators.items():
+        assert deps == [f"jax[{name}]>=0.10,<0.13"] and name in offered
+    readme = (ROOT / "README.md").read_text()
+    assert 'pip install -e ".[cuda12]"' in readme and 'pip install -e ".[tpu]"' in readme
