@@ -26,17 +26,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args, log):
-    env = subprocess_env()  # each process asks for its own --devices
+def launch(args, log, **env_extra):
+    env = subprocess_env(**env_extra)  # each process asks for its own --devices
     return subprocess.Popen([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
-def launch_pair(args, out, tmp_path, tag):
+def launch_pair(args, out, tmp_path, tag, **env_extra):
     port = free_port()
     return [launch([*args, "--devices", "2", "--coordinator", f"localhost:{port}",
                     "--num-processes", "2", "--process-id", str(i), "--out", str(out)],
-                   tmp_path / f"{tag}{i}.log") for i in (1, 0)]
+                   tmp_path / f"{tag}{i}.log", **env_extra) for i in (1, 0)]
 
 
 def losses(out, k=4):
@@ -45,9 +45,9 @@ def losses(out, k=4):
             np.array([[r.get(f"loss_island_{i}", r.get("eval_loss")) for i in range(k)] for r in rows]))
 
 
-def single(args, out):
+def single(args, out, **env_extra):
     subprocess.run([sys.executable, "-m", "experiments.train", *args, "--devices", "4", "--out", str(out)],
-                   cwd=ROOT, env=subprocess_env(), check=True, capture_output=True)
+                   cwd=ROOT, env=subprocess_env(**env_extra), check=True, capture_output=True)
 
 
 @pytest.mark.slow  # end to end: three training processes
@@ -66,6 +66,24 @@ def test_two_processes_equal_one(tmp_path, backend):
     meta = json.loads((tmp_path / "two" / "run.json").read_text())
     assert meta["status"] == "finished" and len(meta["machine"]["devices"]) == 4
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["12", "6"]
+
+
+@pytest.mark.slow  # end to end: three training processes
+def test_own_model_two_processes_equal_one(tmp_path):
+    """`--model` with the README's model, a module outside the package, across 2 processes."""
+    from tests.models.test_io import readme_model_source
+
+    (tmp_path / "my_model.py").write_text(readme_model_source())
+    path = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    args = [*TINY, "--model", "my_model:build", "--steps", "12", "--eval-every", "6"]
+    procs = launch_pair(args, tmp_path / "two", tmp_path, "p", **path)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], (tmp_path / "p0.log").read_text()[-2000:]
+    single(args, tmp_path / "one", **path)
+    steps2, l2 = losses(tmp_path / "two")
+    steps1, l1 = losses(tmp_path / "one")
+    assert steps2 == steps1 and len(steps1) == 12 + 2
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    assert json.loads((tmp_path / "two" / "run.json").read_text())["model"]["factory"] == "my_model:build"
 
 
 FAILING = [*TINY, "--steps", "60", "--eval-every", "10", "--checkpoint-every", "10"]
