@@ -30,6 +30,7 @@ from typing import Any
 
 from diloco_eqx.training.config import RunConfig, cli_fields, flag_name
 from diloco_eqx.training.config_files import config_flags, config_path, read_config
+from diloco_eqx.training.tokenizer import parse_spec
 from models.io import resolve_factory
 
 GROUPS = {"diloco": "algorithm (the knobs of ALGORITHM.md)", "model": "model",
@@ -219,6 +220,10 @@ def check_flags(a: argparse.Namespace, parser: Parser) -> None:
         resolve_factory(a.model)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        parse_spec(a.tokenizer)
+    except ValueError as e:
+        parser.error(str(e))
     island = a.global_batch // a.num_replicas
     if island % a.data_parallel:
         parser.error(f"--data-parallel={a.data_parallel} must divide each island's batch, "
@@ -228,12 +233,13 @@ def check_flags(a: argparse.Namespace, parser: Parser) -> None:
 # ---------------------------------------------------------------- the training command
 
 PROG = "diloco-train"
-DESCRIPTION = """Train a byte-level transformer with DDP, DiLoCo or Streaming DiLoCo.
+DESCRIPTION = """Train a language model with DDP, DiLoCo or Streaming DiLoCo.
 
     diloco-train                                     # the default Streaming DiLoCo job
     diloco-train --mode ddp --out runs/ddp
     diloco-train --no-streaming --sync-period 30 --out runs/diloco
     diloco-train --out runs/x --resume               # continue from the latest checkpoint
+    diloco-train --config run.yaml --tokenizer bpe:4096 --tracker jsonl tensorboard
 
 (`python -m experiments.train` is the same command.) Writes to --out: run.json (settings,
 config, versions, corpus), metrics.jsonl (one line per step and per evaluation),

@@ -1,138 +1,111 @@
-"""Data: corpora of byte-tokenized documents -> fixed windows -> global batches (grain).
+"""Data: a tokenized corpus -> fixed windows -> global batches (grain).
 
-A `Corpus` is a list of documents (files) concatenated into one uint8 token array. The
-held-out split is by document, chosen by a hash of the document's name, so it never
-changes with the seed and no window straddles the split. Training windows are
-non-overlapping `seq_len + 1`-token slices inside one document; a grain `MapDataset`
-shuffles them per epoch (seeded) and batches them into global batches of GBS rows, which
-the train step splits into K island shards of GBS/K consecutive rows. With `non_iid=True`
-each island draws only from its own contiguous block of documents.
+A `Corpus` is a token file (token_files.py) opened read-only: a text source (sources.py)
+tokenized into the cache by `Corpus.from_source`, or a pre-tokenized file opened by
+`Corpus.from_token_file`. Windows are read from the file with pread (`TokenReader`), so the
+process's memory stays flat however large the file (reading through a memory map instead
+maps whole folios of the page cache into the process, megabytes at a time).
+
+Training windows are non-overlapping `seq_len + 1`-token slices inside one document; a grain
+`MapDataset` shuffles them per epoch (seeded) and batches them into global batches of GBS
+rows, which the train step splits into K island shards of GBS/K consecutive rows; with
+`non_iid=True` each island draws only from its own contiguous block of documents. The
+held-out split is by document name (`sources.split_names`), so no window straddles it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import hashlib
-import math
+import mmap
 import os
 import sys
-import sysconfig
-import warnings
+import weakref
 from collections.abc import Sequence
-from pathlib import Path
 
 import grain
 import numpy as np
-from jaxtyping import Int, UInt8
+from jaxtyping import Int
 
-VOCAB_SIZE = 256
-
-
-def encode(text: str | bytes) -> UInt8[np.ndarray, " n"]:
-    """Byte-level tokenizer: UTF-8 bytes are the tokens (vocabulary 256)."""
-    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
-    return np.frombuffer(data, np.uint8).copy()
+from diloco_eqx.training.sources import (Documents, file_documents, markov_documents, split_names,
+                                         stdlib_documents)
+from diloco_eqx.training.token_files import TokenFile, cached_token_file, read_token_file, token_file_tokenizer
+from diloco_eqx.training.tokenizer import BYTES, Tokenizer
 
 
-def decode(tokens) -> str:
-    return bytes(np.asarray(tokens, np.uint8)).decode("utf-8", errors="replace")
+
+
+# ------------------------------------------------------------------------------------ corpora
 
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """Documents as one token array: document i is tokens[offsets[i]:offsets[i+1]]."""
+    """Documents as one token array (a read-only memmap when read from disk): document i is
+    tokens[offsets[i]:offsets[i+1]], in the ids of `tokenizer`."""
 
     name: str
-    tokens: UInt8[np.ndarray, " n"]
+    tokens: Int[np.ndarray, " n"]
     offsets: Int[np.ndarray, " d1"]
     doc_names: tuple[str, ...]
     entropy_rate: float | None = None
     """Nats per token of the source, where known (synthetic corpora): the optimum loss."""
     metadata: dict = dataclasses.field(default_factory=dict)
+    tokenizer: Tokenizer = BYTES
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
 
     @classmethod
-    def from_documents(cls, name: str, docs: Sequence[tuple[str, bytes]], **kw) -> Corpus:
+    def from_documents(cls, name: str, docs: Sequence[tuple[str, bytes]], tokenizer: Tokenizer = BYTES,
+                       **kw) -> Corpus:
+        """A small corpus tokenized in memory from (name, bytes) pairs."""
         if not docs:
             raise ValueError(f"corpus {name!r} is empty: no documents found")
-        sizes = np.array([len(d) for _, d in docs], np.int64)
-        if sizes.sum() == 0:
+        size = sum(len(d) for _, d in docs)
+        if size == 0:
             raise ValueError(f"corpus {name!r} is empty: its {len(docs)} documents hold no bytes")
-        tokens = np.frombuffer(b"".join(d for _, d in docs), np.uint8)
-        offsets = np.concatenate([[0], np.cumsum(sizes)])
-        meta = {"corpus": name, "documents": len(docs), "bytes": int(sizes.sum())}
-        meta.update(kw.pop("metadata", {}))
-        return cls(name, tokens, offsets, tuple(n for n, _ in docs), metadata=meta, **kw)
+        ids = tokenizer.encode_many([d for _, d in docs])
+        tokens = np.concatenate(ids).astype(tokenizer.dtype)
+        offsets = np.concatenate([[0], np.cumsum([len(t) for t in ids])]).astype(np.int64)
+        meta = {"corpus": name, "documents": len(docs), "bytes": size, "tokens": len(tokens),
+                "tokenizer": tokenizer.spec} | kw.pop("metadata", {})
+        return cls(name, tokens, offsets, tuple(n for n, _ in docs), metadata=meta, tokenizer=tokenizer, **kw)
 
     @classmethod
-    def stdlib(cls) -> Corpus:
+    def from_token_file(cls, tf: TokenFile | str | os.PathLike, tokenizer: Tokenizer | None = None) -> Corpus:
+        """A memory-mapped corpus over a token file (with the file's own tokenizer by default)."""
+        tf = tf if isinstance(tf, TokenFile) else read_token_file(tf)
+        tokenizer = tokenizer or token_file_tokenizer(tf)
+        src = tf.source
+        meta = {"corpus": src["name"], "documents": len(tf.names), "tokens": tf.tokens,
+                "tokenizer": tokenizer.spec, "token_file": str(tf.path)}
+        if tf.text_bytes is not None:
+            meta["bytes"] = tf.text_bytes
+        meta |= src.get("metadata") or {}
+        return cls(src["name"], tf.memmap(), tf.offsets, tf.names, src.get("entropy_rate"), meta, tokenizer)
+
+    @classmethod
+    def from_source(cls, docs: Documents, tokenizer: Tokenizer = BYTES) -> Corpus:
+        """`docs` tokenized into the cache (once) and memory-mapped from there."""
+        if not docs.names:
+            raise ValueError(f"--corpus {docs.name!r} is empty: no documents found")
+        return cls.from_token_file(cached_token_file(docs, tokenizer), tokenizer)
+
+    @classmethod
+    def stdlib(cls, tokenizer: Tokenizer = BYTES) -> Corpus:
         """The running Python's standard library `.py` sources, in sorted path order."""
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(
-            p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file()
-        )
-        docs = [(str(p.relative_to(root)), p.read_bytes()) for p in files]
-        version = ".".join(map(str, sys.version_info[:3]))
-        return cls.from_documents(
-            f"python{version}-stdlib", docs, metadata={"python_version": version, "root": str(root)}
-        )
+        return cls.from_source(stdlib_documents(), tokenizer)
 
     @classmethod
-    def from_files(cls, patterns: Sequence[str]) -> Corpus:
-        """Text files named by paths, directories (every file under them) or globs.
-
-        Files that look binary (a NUL byte in their first 8 KiB) are skipped with a warning
-        that counts them: byte-level language modelling of executables is rarely meant."""
-        paths: list[Path] = []
-        for pattern in patterns:
-            matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
-            if not matches:
-                raise ValueError(f"corpus path {pattern!r} matches no file or directory")
-            for m in map(Path, matches):
-                paths.extend(sorted(p for p in m.rglob("*") if p.is_file()) if m.is_dir() else [m])
-        docs, skipped, skipped_bytes = [], 0, 0
-        for p in sorted(set(paths)):
-            if looks_binary(p):
-                skipped, skipped_bytes = skipped + 1, skipped_bytes + p.stat().st_size
-            else:
-                docs.append((str(p), p.read_bytes()))
-        name = "files:" + ",".join(patterns)
-        if skipped and not docs:
-            raise ValueError(f"corpus {name!r} holds only binary files ({skipped}, a NUL byte in "
-                             f"the first {BINARY_PROBE} bytes of each); give text files")
-        if skipped:
-            warnings.warn(
-                f"corpus {name!r}: skipped {skipped} binary file(s) ({skipped_bytes:,} bytes; a "
-                f"NUL byte in the first {BINARY_PROBE} bytes); kept {len(docs)} text file(s)",
-                stacklevel=2,
-            )
-        return cls.from_documents(name, docs, metadata={"skipped_binary_files": skipped})
+    def from_files(cls, patterns: Sequence[str], tokenizer: Tokenizer = BYTES) -> Corpus:
+        """Text files named by paths, directories or globs (binary files skipped, counted)."""
+        return cls.from_source(file_documents(patterns), tokenizer)
 
     @classmethod
-    def markov(
-        cls, num_bytes: int = 4_000_000, branching: int = 2, seed: int = 0, doc_bytes: int = 65_536
-    ) -> Corpus:
-        """A random sparse Markov chain over bytes: each byte has `branching` equally likely
-        successors, so every next-token prediction has entropy exactly ln(branching)."""
-        if not 1 <= branching <= VOCAB_SIZE:
-            raise ValueError(f"branching must be in 1..{VOCAB_SIZE}; got {branching}")
-        rng = np.random.default_rng(seed)
-        successors = np.stack(
-            [rng.choice(VOCAB_SIZE, branching, replace=False) for _ in range(VOCAB_SIZE)]
-        )
-        n_docs = max(2, math.ceil(num_bytes / doc_bytes))
-        choice = rng.integers(0, branching, (n_docs, doc_bytes))
-        seq = np.empty((n_docs, doc_bytes), np.uint8)
-        seq[:, 0] = rng.integers(0, VOCAB_SIZE, n_docs)
-        for t in range(1, doc_bytes):
-            seq[:, t] = successors[seq[:, t - 1], choice[:, t]]
-        docs = [(f"markov/{i:05d}", seq[i].tobytes()) for i in range(n_docs)]
-        return cls.from_documents(
-            f"markov(b={branching},seed={seed})",
-            docs,
-            entropy_rate=math.log(branching),
-            metadata={"branching": branching, "seed": seed},
-        )
+    def markov(cls, num_bytes: int = 4_000_000, branching: int = 2, seed: int = 0,
+               doc_bytes: int = 65_536) -> Corpus:
+        """A random sparse Markov chain over bytes whose optimum loss is ln(branching)."""
+        return cls.from_source(markov_documents(num_bytes, branching, seed, doc_bytes))
 
     @property
     def num_docs(self) -> int:
@@ -142,24 +115,11 @@ class Corpus:
         return np.diff(self.offsets)
 
     def split(self, eval_fraction: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
-        """(train, held-out) document ids; a document is held out when the MD5 of its name
-        falls in the lowest `eval_fraction` of hash space. Both sides are non-empty."""
-        if not 0.0 < eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must be in (0, 1); got {eval_fraction}")
-        if self.num_docs < 2:
-            raise ValueError(
-                f"corpus {self.name!r} has {self.num_docs} document; the held-out split is by "
-                "document, so give at least 2 files"
-            )
-        h = np.array(
-            [int(hashlib.md5(n.encode()).hexdigest()[:12], 16) / 16**12 for n in self.doc_names]
-        )
-        held = h < eval_fraction
-        if not held.any():
-            held[np.argmin(h)] = True
-        if held.all():
-            held[np.argmax(h)] = False
-        return np.flatnonzero(~held), np.flatnonzero(held)
+        """(train, held-out) document ids, by the MD5 of their names (`split_names`)."""
+        try:
+            return split_names(self.doc_names, eval_fraction)
+        except ValueError as e:
+            raise ValueError(f"corpus {self.name!r}: {e}") from None
 
     def windows(self, doc_ids: Sequence[int], length: int) -> Int[np.ndarray, " w"]:
         """Start offsets of the non-overlapping `length`-token windows inside `doc_ids`."""
@@ -169,37 +129,72 @@ class Corpus:
         ]
         return np.concatenate(starts) if starts else np.zeros((0,), np.int64)
 
-    def unigram_entropy(self, doc_ids: Sequence[int] | None = None) -> float:
-        """Entropy (nats) of the byte distribution: the loss of the best context-free model."""
+    def unigram_entropy(self, doc_ids: Sequence[int] | None = None, chunk: int = 1 << 20) -> float:
+        """Entropy (nats) of the token distribution: the loss of the best context-free model.
+        Reads the documents a chunk at a time."""
         ids = range(self.num_docs) if doc_ids is None else doc_ids
-        counts = np.zeros(VOCAB_SIZE, np.int64)
+        counts, read = np.zeros(self.vocab_size, np.int64), TokenReader(self.tokens)
         for d in ids:
-            counts += np.bincount(self.tokens[self.offsets[d] : self.offsets[d + 1]], minlength=VOCAB_SIZE)
+            for s in range(int(self.offsets[d]), int(self.offsets[d + 1]), chunk):
+                part = read(s, min(s + chunk, int(self.offsets[d + 1])))
+                counts += np.bincount(part, minlength=self.vocab_size)[: self.vocab_size]
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
 
-BINARY_PROBE = 8192
+# ------------------------------------------------------------------------------------ batches
 
 
-def looks_binary(path: Path) -> bool:
-    """True if the file's first 8 KiB hold a NUL byte (text files, UTF-8 or not, do not)."""
-    with open(path, "rb") as f:
-        return b"\0" in f.read(BINARY_PROBE)
+def _file_position(tokens: np.ndarray) -> tuple[str, int] | None:
+    """(file, byte offset of tokens[0]) of a contiguous memmap; None for an in-memory array."""
+    if not isinstance(tokens, np.memmap) or getattr(tokens, "_mmap", None) is None:
+        return None
+    if tokens.ndim != 1 or not tokens.flags.c_contiguous:
+        return None
+    mapped_from = tokens.offset - tokens.offset % mmap.ALLOCATIONGRANULARITY  # as np.memmap maps
+    return tokens.filename, mapped_from + tokens.ctypes.data - np.frombuffer(tokens._mmap, np.uint8).ctypes.data
+
+
+class TokenReader:
+    """Reads tokens[start:stop]. A memmap's ids are read from its file with pread, so that no
+    page of it stays mapped: where the page cache holds large folios, one fault on a memmap
+    maps megabytes, and random windows soon map the whole file into the process's RSS. An
+    in-memory array is sliced."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens, self._file, self._fd = tokens, _file_position(tokens), None
+        if self._file:
+            self._fd = os.open(self._file[0], os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)
+
+    def __call__(self, start: int, stop: int) -> Int[np.ndarray, " n"]:
+        if self._fd is None:
+            return np.asarray(self.tokens[start:stop])
+        item = self.tokens.dtype.itemsize
+        return np.frombuffer(os.pread(self._fd, (stop - start) * item, self._file[1] + start * item),
+                             self.tokens.dtype)
+
+    def __getstate__(self) -> dict:
+        return {"tokens": self.tokens}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["tokens"])
 
 
 class Windows(grain.sources.RandomAccessDataSource):
-    """Random access to fixed-length windows of a corpus, as int32 token rows."""
+    """Random access to fixed-length windows of a corpus, as int32 token rows (only the
+    window's ids are read)."""
 
     def __init__(self, tokens: np.ndarray, starts: np.ndarray, length: int):
         self.tokens, self.starts, self.length = tokens, starts, length
+        self._read = TokenReader(tokens)
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int) -> Int[np.ndarray, " length"]:
-        s = self.starts[i]
-        return self.tokens[s : s + self.length].astype(np.int32)
+        s = int(self.starts[i])
+        return self._read(s, s + self.length).astype(np.int32)
 
 
 def _batches(tokens, starts, length, rows, seed, keep) -> grain.MapDataset:
@@ -211,7 +206,7 @@ def _batches(tokens, starts, length, rows, seed, keep) -> grain.MapDataset:
 
 
 def island_documents(corpus: Corpus, doc_ids: np.ndarray, num_islands: int) -> list[np.ndarray]:
-    """Split documents into `num_islands` contiguous blocks of about equal bytes."""
+    """Split documents into `num_islands` contiguous blocks of about equal tokens."""
     sizes = corpus.doc_sizes()[doc_ids]
     targets = np.arange(1, num_islands) * sizes.sum() / num_islands
     edges = np.searchsorted(np.cumsum(sizes), targets, side="right")
@@ -258,7 +253,7 @@ def train_batches(
             longest = int(corpus.doc_sizes()[ids].max()) if len(ids) else 0
             raise ValueError(
                 f"seq_len={seq_len} leaves {len(starts)} windows of {length} tokens in {where} "
-                f"(longest document: {longest} bytes), fewer than the {per} rows a batch needs; "
+                f"(longest document: {longest} tokens), fewer than the {per} rows a batch needs; "
                 "use a shorter --seq-len, a smaller --global-batch or a larger corpus"
             )
         per_group.append(_batches(corpus.tokens, starts, length, per, seed + 1000 * k, mine))
@@ -276,7 +271,7 @@ def eval_batches(
     starts = corpus.windows(doc_ids, seq_len + 1)
     if len(starts) == 0:
         raise ValueError(
-            f"seq_len={seq_len}: no held-out document is longer than {seq_len + 1} bytes; "
+            f"seq_len={seq_len}: no held-out document is longer than {seq_len + 1} tokens; "
             "use a shorter --seq-len"
         )
     n = min(len(starts), batch_size * max_batches)
