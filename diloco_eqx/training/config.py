@@ -15,10 +15,10 @@ from typing import Any
 
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.islands import registered_backends
+from diloco_eqx.training.trackers import registered_trackers
 from models.transformer import TransformerConfig
 
 MODES = ("diloco", "ddp")
-TRACKERS = ("jsonl", "tensorboard", "wandb")
 DEFAULT_MODEL = "models.transformer:build"
 RESUMABLE = ("resume", "tracker", "progress", "out", "coordinator", "num_processes", "process_id",
              "heartbeat_timeout", "devices", "data_parallel", "fsdp", "backend", "checkpoint_every")
@@ -65,7 +65,7 @@ class DataConfig:
     """stdlib (the running Python's standard library sources) | markov [num_bytes=N
     branching=B seed=S doc_bytes=D] | files, directories or globs."""
     seq_len: int = 128
-    """Tokens (bytes) per sequence."""
+    """Tokens per sequence."""
     global_batch: int = 16
     """GBS: sequences per step over all islands (divisible by K)."""
     non_iid: bool = False
@@ -124,7 +124,7 @@ class RunConfig:
     collectives chosen by GSPMD); the numbers are the same. (--mode ddp always uses shard_map.)"""
     progress: bool = True
     """Show a progress bar."""
-    tracker: tuple[str, ...] = dataclasses.field(default=("jsonl",), metadata={"choices": TRACKERS})
+    tracker: tuple[str, ...] = dataclasses.field(default=("jsonl",), metadata={"choices": registered_trackers()})
     """Where metrics go, one or more of: jsonl (metrics.jsonl, always written), tensorboard
     (event files in OUT/tensorboard), wandb (Weights & Biases; WANDB_MODE=offline works
     with no network)."""

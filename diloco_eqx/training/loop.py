@@ -1,4 +1,4 @@
-"""The training loop: steps, progress, held-out evaluation, JSONL metrics, checkpoints.
+"""The training loop: steps, progress, held-out evaluation, metric rows, checkpoints.
 
 The loop dispatches step t+1 before it reads step t's metrics, so the host never makes the
 device wait for logging. Everything it needs to continue a run (state, data iterator
@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import equinox as eqx
 import numpy as np
@@ -84,6 +84,15 @@ class LoopConfig:
     progress: bool = True
 
 
+class Tracker(Protocol):
+    """What the loop writes its rows to (one dict per step or evaluation): metrics.jsonl
+    below, or the backends `trackers.open_trackers` fans out to."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class JsonlWriter:
     """Appends one JSON object per line; on resume keeps only lines up to `keep_through`
     (and drops a last line cut short by a crash or a full disk)."""
@@ -136,7 +145,7 @@ def mean_loss(loss_fn: Callable, model: eqx.Module, batches: list[np.ndarray]) -
 class _Progress:
     """Writes each step's metrics row and evaluation, and keeps the progress bar."""
 
-    def __init__(self, cfg: LoopConfig, start_step: int, metrics: JsonlWriter,
+    def __init__(self, cfg: LoopConfig, start_step: int, metrics: Tracker,
                  describe: Callable[[int], dict[str, Any]], t0: float):
         self.cfg, self.start, self.metrics, self.describe, self.t0 = cfg, start_step, metrics, describe, t0
         self.rate: float | None = None
@@ -167,7 +176,7 @@ def train_loop(
     *,
     cfg: LoopConfig,
     start_step: int,
-    metrics: JsonlWriter,
+    metrics: Tracker,
     evaluate: Callable[[eqx.Module], dict[str, float]],
     describe: Callable[[int], dict[str, Any]],
     checkpointer: Checkpointer | None = None,
@@ -177,9 +186,10 @@ def train_loop(
 ) -> eqx.Module:
     """Run `step_fn` from `start_step` to `cfg.steps`; returns the final state.
 
-    `batches` is a grain iterator (its `get_state()` goes into checkpoints); `evaluate`
-    gives held-out losses of a state; `describe(t)` adds per-step fields (learning rates,
-    tokens, bytes sent, next sync); `extra()` adds JSON-able fields to every checkpoint.
+    `metrics` gets every step's row and every evaluation's; `batches` is a grain iterator
+    (its `get_state()` goes into checkpoints); `evaluate` gives held-out losses of a state;
+    `describe(t)` adds per-step fields (learning rates, tokens, bytes sent, next sync);
+    `extra()` adds JSON-able fields to every checkpoint.
     `stop()` is asked after every step: a signal number there ends the loop with the step
     recorded and checkpointed, raising `Interrupted`.
     """

@@ -26,12 +26,12 @@ import optax
 import diloco_eqx as dl
 from diloco_eqx.analysis import comms
 from diloco_eqx.ddp import init_ddp_state, make_ddp_step
-from diloco_eqx.training import data, multiprocess
+from diloco_eqx.training import data, multiprocess, sources, token_files
+from diloco_eqx.training import tokenizer as tok_lib
 from diloco_eqx.training.checkpoint import Checkpointer, key_from_json, key_to_json, last_complete_step
 from diloco_eqx.training.config import RESUMABLE, RunConfig
 from diloco_eqx.training.loop import (
     Interrupted,
-    JsonlWriter,
     LoopConfig,
     StopSignals,
     mean_loss,
@@ -40,6 +40,7 @@ from diloco_eqx.training.loop import (
     write_json,
 )
 from diloco_eqx.training.plots import plot_runs
+from diloco_eqx.training.trackers import check_trackers, open_trackers
 from models.io import build_model
 from models.transformer import count_params
 
@@ -86,17 +87,37 @@ def inner_optimizer(cfg: RunConfig) -> tuple[optax.GradientTransformation, optax
     return optax.chain(clip, optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=o.weight_decay)), lr
 
 
-def load_corpus(spec: tuple[str, ...]) -> data.Corpus:
-    if spec == ("stdlib",):
-        return data.Corpus.stdlib()
-    if spec[0] == "markov":
-        kw = dict(a.split("=", 1) for a in spec[1:])
-        try:
-            return data.Corpus.markov(**{k: int(v) for k, v in kw.items()})
-        except TypeError as e:
-            raise ValueError(f"--corpus markov takes key=value options num_bytes, branching, "
-                             f"seed, doc_bytes; got {' '.join(spec[1:])}") from e
-    return data.Corpus.from_files(list(spec))
+def load_corpus(spec: tuple[str, ...], tokenizer: str = "bytes", saved: Path | None = None,
+                distributed: bool = False) -> data.Corpus:
+    """The corpus tokenized (cached, memory-mapped) with the run's tokenizer: the one `saved`
+    in the run directory (--resume), else --tokenizer's; a BPE is trained on the training
+    split only, in multi-process runs by process 0 for every process."""
+    saved_tok = tok_lib.load(saved) if saved is not None else None
+    path = sources.token_file(spec)
+    if path is not None:
+        tf = token_files.read_token_file(path)
+        return data.Corpus.from_token_file(tf, token_files.token_file_tokenizer(tf, tokenizer, saved_tok))
+    docs = sources.documents(spec)
+    if saved_tok is None:
+        train_ids = sources.split_names(docs.names)[0]
+        make = lambda: tok_lib.from_spec(tokenizer, lambda: docs.texts(train_ids))  # noqa: E731
+        shared = distributed and tok_lib.parse_spec(tokenizer)[0] == "bpe"
+        saved_tok = tok_lib.from_process_0(make) if shared else make()
+    return data.Corpus.from_source(docs, saved_tok)
+
+
+def saved_tokenizer(cfg: RunConfig) -> Path | None:
+    """OUT/tokenizer.json of the run --resume continues (None for a new run, or one whose
+    tokenizer is bytes or the ids of its token file)."""
+    path = Path(cfg.out) / "tokenizer.json"
+    if not cfg.resume:
+        return None
+    if path.is_file():
+        return path
+    if tok_lib.parse_spec(cfg.data.tokenizer)[0] == "bpe":
+        raise ValueError(f"--resume: the run in {cfg.out} uses --tokenizer {cfg.data.tokenizer} but "
+                         f"{path} is missing; start a new run with another --out")
+    return None
 
 
 def build_mesh(cfg: RunConfig):
@@ -119,7 +140,7 @@ def build(cfg: RunConfig) -> Job:
     """Data, model, state and step of a run (nothing written yet)."""
     mesh = build_mesh(cfg)
     d = cfg.data
-    corpus = printed_warnings(load_corpus, d.corpus)
+    corpus = printed_warnings(load_corpus, d.corpus, d.tokenizer, saved_tokenizer(cfg), cfg.distributed)
     train_ids, eval_ids = corpus.split()
     rows = multiprocess.process_rows(d.global_batch) if cfg.distributed else None
     train_ds = data.train_batches(corpus, train_ids, seq_len=d.seq_len, global_batch=d.global_batch,
@@ -127,7 +148,8 @@ def build(cfg: RunConfig) -> Job:
                                   non_iid=d.non_iid, rows=rows)
     held_out = data.eval_batches(corpus, eval_ids, seq_len=d.seq_len, batch_size=d.global_batch,
                                  max_batches=d.eval_batches)
-    model, loss_fn = build_model(cfg.model_factory, cfg.model_config, jax.random.key(cfg.seed))
+    model_config = dataclasses.replace(cfg.model_config, vocab_size=corpus.vocab_size)
+    model, loss_fn = build_model(cfg.model_factory, model_config, jax.random.key(cfg.seed))
     inner, lr = inner_optimizer(cfg)
     if cfg.mode == "diloco":
         state = dl.init_state(model, inner, cfg.diloco, mesh)  # checks layers vs fragments
@@ -183,14 +205,17 @@ def describe_step(job: Job) -> Callable[[int], dict[str, Any]]:
 
 
 def evaluator(job: Job) -> Callable[[Any], dict[str, float]]:
-    """Held-out loss of the outer model (DDP: its one model), and optionally island 0."""
+    """Held-out loss of the outer model (DDP: its one model), per token and in bits per byte,
+    and optionally island 0's."""
     eval_loss = eqx.filter_jit(job.loss_fn)
+    per_token = tok_lib.bytes_per_token(job.corpus.tokenizer, job.held_out)
 
     def evaluate(state) -> dict[str, float]:
-        if job.cfg.mode == "ddp":
-            return {"eval_loss": mean_loss(eval_loss, state.model, job.held_out)}
-        losses = {"eval_loss": mean_loss(eval_loss, job.step_fn.outer_model(state), job.held_out)}
-        if job.cfg.eval_island:
+        model = state.model if job.cfg.mode == "ddp" else job.step_fn.outer_model(state)
+        losses = {"eval_loss": mean_loss(eval_loss, model, job.held_out)}
+        if per_token is not None:  # the ids of a token file of unknown tokenizer have no bytes
+            losses["eval_bits_per_byte"] = tok_lib.bits_per_byte(losses["eval_loss"], per_token)
+        if job.cfg.mode == "diloco" and job.cfg.eval_island:
             losses["eval_loss_island_0"] = mean_loss(eval_loss, state.island(0), job.held_out)
         return losses
 
@@ -207,9 +232,11 @@ def metadata(job: Job, argv: list[str]) -> dict[str, Any]:
         "diloco_config": diloco,
         "schedule": None if schedule is None else {
             "steps_between_syncs": schedule.steps_between_syncs, "period": schedule.period},
-        "model": dataclasses.asdict(cfg.model_config) | {"factory": cfg.model_factory,
+        "model": dataclasses.asdict(cfg.model_config) | {"vocab_size": corpus.vocab_size,
+                                                         "factory": cfg.model_factory,
                                                          "params": count_params(job.model)},
         "fragment_params": job.fragment_params,
+        "tokenizer": corpus.tokenizer.describe(),
         "corpus": corpus.metadata | {"train_documents": len(job.train_ids),
                                      "eval_documents": len(job.eval_ids),
                                      "eval_unigram_entropy": corpus.unigram_entropy(job.eval_ids),
@@ -236,10 +263,13 @@ def run(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
 
 def _checked_run(cfg: RunConfig, out: Path, argv: list[str] | None) -> dict[str, Any]:
     check_out(cfg, out)
+    check_trackers(cfg.tracker)
     job = build(cfg)
     if cfg.distributed:  # every process has passed the checks before any of them writes
         multiprocess.sync_processes("diloco_eqx: settings checked")
     out.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0 and not cfg.resume and job.corpus.tokenizer.kind == "bpe":
+        job.corpus.tokenizer.save(out / "tokenizer.json")  # first: all the run writes uses its ids
     checkpointer = Checkpointer(out / "checkpoints")
     try:
         return _train(job, out, checkpointer, metadata(job, sys.argv if argv is None else argv))
@@ -259,7 +289,8 @@ def _train(job: Job, out: Path, checkpointer: Checkpointer, meta: dict[str, Any]
     if primary:
         write_json(out / "run.json", meta)
     _announce(job, out)
-    writer = JsonlWriter(out / "metrics.jsonl", keep_through=start) if primary else _Discard()
+    keep_through = start if cfg.resume else None  # a new run: a new W&B run, no leftover rows
+    writer = open_trackers(cfg.tracker, out, meta["settings"], keep_through) if primary else _Discard()
     signals = StopSignals(across_processes=cfg.distributed)
     loop_cfg = LoopConfig(steps=cfg.steps, eval_every=cfg.eval_every, checkpoint_every=cfg.checkpoint_every,
                           tokens_per_step=cfg.tokens_per_step, progress=cfg.progress and primary)
@@ -298,9 +329,11 @@ def _restore(job: Job, out: Path, checkpointer: Checkpointer, batches):
 def _announce(job: Job, out: Path) -> None:
     cfg, corpus = job.cfg, job.corpus
     kind = cfg.mode + (" streaming" if cfg.diloco.streaming and cfg.mode == "diloco" else "")
-    print(f"{kind}: {count_params(job.model):,} params, corpus {corpus.name} "
-          f"({corpus.metadata['bytes']:,} bytes, {len(job.train_ids)} train / {len(job.eval_ids)} "
-          f"held-out files), {cfg.tokens_per_step} tokens/step, out {out}"
+    size = f"{corpus.metadata['tokens']:,} tokens" + (
+        f" of {corpus.metadata['bytes']:,} bytes" if "bytes" in corpus.metadata else "")
+    print(f"{kind}: {count_params(job.model):,} params, corpus {corpus.name} ({size}, tokenizer "
+          f"{corpus.tokenizer.spec}, {len(job.train_ids)} train / {len(job.eval_ids)} held-out "
+          f"documents), {cfg.tokens_per_step} tokens/step, out {out}"
           + (f", process {jax.process_index()} of {jax.process_count()}" if cfg.distributed else ""),
           file=sys.stderr)
 
@@ -324,8 +357,9 @@ def _finish(job: Job, out: Path, meta: dict, final: dict[str, float], primary: b
     }
     _plot(out)
     write_json(out / "run.json", meta | {"status": "finished", "summary": summary})
-    print(f"held-out loss {final['eval_loss']:.4f} nats/byte (unigram entropy of held-out bytes "
-          f"{unigram:.4f}" + (f", source optimum {corpus.entropy_rate:.4f}" if corpus.entropy_rate else "")
+    bits = f", {final['eval_bits_per_byte']:.4f} bits/byte" if "eval_bits_per_byte" in final else ""
+    print(f"held-out loss {final['eval_loss']:.4f} nats/token{bits} (unigram entropy of held-out "
+          f"tokens {unigram:.4f}" + (f", source optimum {corpus.entropy_rate:.4f}" if corpus.entropy_rate else "")
           + f"); wrote {out}", file=sys.stderr)
     return summary
 
