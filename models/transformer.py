@@ -14,7 +14,6 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 
