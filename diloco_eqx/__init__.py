@@ -13,6 +13,7 @@ from diloco_eqx.islands import Islands, register_backend, registered_backends
 from diloco_eqx.mesh import AXIS, make_mesh
 from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.orders import register_order, registered_orders
+from diloco_eqx.outer import register_outer_optimizer, registered_outer_optimizers
 from diloco_eqx.schedule import Schedule
 from diloco_eqx.state import DiLoCoState, init_state
 from diloco_eqx.step import Plan, TrainStep, make_train_step
@@ -38,8 +39,10 @@ __all__ = [
     "register_codec",
     "register_fault_model",
     "register_order",
+    "register_outer_optimizer",
     "registered_backends",
     "registered_codecs",
     "registered_fault_models",
     "registered_orders",
+    "registered_outer_optimizers",
 ]

@@ -11,6 +11,7 @@ from typing import Any
 from diloco_eqx import codecs, faults
 from diloco_eqx._checks import check_int, check_number
 from diloco_eqx.orders import Order, resolve_order
+from diloco_eqx.outer import check_outer_optimizer
 from diloco_eqx.schedule import Schedule
 
 OUTER_DTYPES = ("float32", "param")
@@ -64,7 +65,13 @@ class DiLoCoConfig:
     outer_lr: float = 0.7
     """η_outer: outer Nesterov SGD learning rate."""
     outer_momentum: float = 0.9
-    """β: outer Nesterov momentum."""
+    """β: outer Nesterov momentum (outer Adam's β1)."""
+    outer_optimizer: str = "nesterov"
+    """How the outer model steps on the mean pseudo-gradient: "nesterov" (SGD with Nesterov
+    momentum), "adam" (η = outer_lr, β1 = outer_momentum, β2 = outer_b2), "average" (the
+    outer model becomes the islands' mean; η and β unused), or a registered name."""
+    outer_b2: float = 0.99
+    """β2 of outer Adam (outer_optimizer="adam" only)."""
     compression: str = "none"
     """Format of the pseudo-gradients on the wire: "none" (float32), "bf16", "fp8", "fp4",
     or a codec registered with register_codec."""
@@ -91,6 +98,8 @@ class DiLoCoConfig:
         check_number("alpha (α)", self.alpha, "[0, 1]", lambda a: 0.0 <= a <= 1.0)
         check_number("outer_lr (η_outer)", self.outer_lr, "(0, inf)", lambda a: a > 0.0)
         check_number("outer_momentum (β)", self.outer_momentum, "[0, 1)", lambda a: 0.0 <= a < 1.0)
+        check_outer_optimizer(self.outer_optimizer)
+        check_number("outer_b2", self.outer_b2, "[0, 1)", lambda a: 0.0 <= a < 1.0)
         resolve_order(self.fragment_order)
         codecs.check_format(self.compression)
         if self.outer_dtype not in OUTER_DTYPES:

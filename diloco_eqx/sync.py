@@ -21,12 +21,13 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 from diloco_eqx import codecs
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.islands import Islands
+from diloco_eqx.outer import make_outer_optimizer
 
 
 def outer_optimizer(cfg: DiLoCoConfig) -> optax.GradientTransformation:
-    """The default outer optimizer, optax.sgd(η_outer, momentum=β, nesterov=True):
-    v <- Δ + βv, θ <- θ - η(Δ + βv)."""
-    return optax.sgd(cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+    """The outer optimizer `cfg.outer_optimizer` names (default: Nesterov SGD,
+    v <- Δ + βv, θ <- θ - η(Δ + βv)); see diloco_eqx/outer.py."""
+    return make_outer_optimizer(cfg)
 
 
 class SyncMetrics(eqx.Module):

@@ -189,3 +189,58 @@ def test_mismatched_outer_optimizer_is_named():
     step = dl.make_train_step(cfg, toy_loss, inner)  # the default Nesterov SGD
     with pytest.raises(ValueError, match="give init_state and make_train_step the same outer_optimizer"):
         step(state, batches(1)[0])
+
+
+# ---------------------------------------------------------------- outer optimizers by name
+
+@pytest.mark.parametrize("name, knobs, make_np", [
+    ("adam", {"outer_lr": 0.05, "outer_momentum": 0.8, "outer_b2": 0.95},
+     lambda: NpAdamW(0.05, b1=0.8, b2=0.95, weight_decay=0.0)),
+    ("average", {"outer_lr": 0.3, "outer_momentum": 0.5}, lambda: NpSGD(1.0)),
+])
+def test_outer_optimizer_by_name_matches_its_rule(name, knobs, make_np):
+    """`outer_optimizer="adam"` / `"average"` in the config alone (no optax object passed)
+    step the outer model by the NumPy rule: Adam from the config's η, β1, β2; averaging as
+    θ <- θ - Δ, whatever η and β say."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+                          overlap_steps=1, alpha=0.5, outer_optimizer=name, **knobs)
+    inner, data = optax.sgd(0.05), batches(18)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m["loss_island_0"], m["loss_island_1"]])
+    ref_losses, ref_outer, _ = np_run(toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=2, h=6,
+                                      inner=NpSGD(0.05), streaming=True, p=3, v=1, alpha=0.5,
+                                      outer_opt=make_np())
+    np.testing.assert_allclose(np.array(losses), ref_losses, rtol=2e-5, atol=2e-5)
+    for n, got in toy_to_numpy(step.outer_model(state)).items():
+        np.testing.assert_allclose(got, ref_outer[n], rtol=2e-5, atol=2e-5)
+
+
+def test_averaging_makes_the_outer_model_the_islands_mean():
+    """Vanilla DiLoCo with outer_optimizer="average": after a sync the outer model is the
+    plain mean of the islands' parameters just before it (computed here from the islands)."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, outer_optimizer="average")
+    inner, data = optax.sgd(0.05), batches(3)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    for x in data[:2]:
+        state, _ = step(state, x)
+    # the third step's inner update, by hand, on each island; then the sync averages them
+    islands = [toy_to_numpy(state.island(i)) for i in range(2)]
+    rows = np.asarray(data[2]).reshape(2, -1, *np.asarray(data[2]).shape[1:])
+    from tests.reference import np_loss_and_grad
+
+    moved = [{n: p[n] - 0.05 * np_loss_and_grad(p, rows[i])[1][n] for n in p} for i, p in enumerate(islands)]
+    state, _ = step(state, data[2])
+    for n, got in toy_to_numpy(state.outer).items():
+        np.testing.assert_allclose(got, (moved[0][n] + moved[1][n]) / 2, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_outer_optimizer_is_named():
+    with pytest.raises(ValueError, match=r"outer_optimizer must be one of \('nesterov', 'adam', 'average'"):
+        dl.DiLoCoConfig(outer_optimizer="lion")
+    with pytest.raises(ValueError, match=r"outer_b2"):
+        dl.DiLoCoConfig(outer_b2=1.0)
