@@ -178,8 +178,9 @@ def check_out(cfg: RunConfig, out: Path) -> None:
         import json
 
         previous = json.loads((out / "run.json").read_text())["settings"]
-        changed = {k: (previous.get(k), v) for k, v in cfg.flat().items()
-                   if previous.get(k) != v and k not in RESUMABLE}
+        defaults = RunConfig().flat()  # a setting newer than the run: its default is what it ran with
+        changed = {k: (previous.get(k, defaults.get(k)), v) for k, v in cfg.flat().items()
+                   if previous.get(k, defaults.get(k)) != v and k not in RESUMABLE}
         if changed:
             hint = " (--steps sets the length of the learning-rate schedule)" if "steps" in changed else ""
             raise ValueError(

@@ -129,6 +129,14 @@ def test_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, capsys):
     assert "already holds a run" in capsys.readouterr().err
     assert train.main(TINY + ["--steps", "4", "--lr", "0.1", "--out", str(out), "--resume"]) == 2
     assert "lr: 0.003 -> 0.1" in capsys.readouterr().err
+    # a run recorded before a setting existed ran with its default: resuming with it is fine
+    meta = json.loads((out / "run.json").read_text())
+    for newer in ("outer_optimizer", "tokenizer", "model"):
+        del meta["settings"][newer]
+    (out / "run.json").write_text(json.dumps(meta))
+    assert train.main(TINY + ["--steps", "2", "--out", str(out), "--resume", "--outer-optimizer", "adam"]) == 2
+    assert "outer_optimizer: 'nesterov' -> 'adam'" in capsys.readouterr().err
+    assert train.main(TINY + ["--steps", "2", "--out", str(out), "--resume"]) == 0
 
 
 def _run(args, **kw):
