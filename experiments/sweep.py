@@ -142,6 +142,7 @@ def summarize(out: Path, grid: Mapping[str, Sequence[Any]]) -> list[dict[str, An
         rows.append({**point, "eval_loss": summary["eval_loss"],
                      **{k: v for k, v in summary.items() if k.startswith("eval_loss_")},
                      "final_train_loss": summary["final_train_loss"], "tokens": summary["tokens"],
+                     "comm_bytes_per_island": summary.get("comm_bytes_per_island"),
                      "wall_time": summary["wall_time"], "run": run_dir.name})
     if rows:
         fields = list(dict.fromkeys(k for r in rows for k in r))

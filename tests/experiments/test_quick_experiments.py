@@ -34,3 +34,23 @@ def test_custom_fragment_order_quick(tmp_path, capsys):
     result = json.loads((tmp_path / "orders.json").read_text())
     assert set(result["eval_loss"]) == {"interleaved", "sequential", "reverse_depth", "mirrored", "random_fixed"}
     assert result["groups"]["mirrored"] == [[0, 5], [1, 4], [2, 3]]
+
+
+def test_outer_optimizers_quick(tmp_path):
+    from experiments import outer_optimizers
+
+    assert outer_optimizers.main(["--out", str(tmp_path), "--quick", "--parallel", "2"]) == 0
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
+    assert len(rows) == 7 and {r["method"] for r in rows} == {"ddp", "nesterov", "adam"}
+    params = json.loads((tmp_path / "ddp,seed=0" / "run.json").read_text())["model"]["params"]
+    bytes_sent = {(r["method"], r["K"], r["outer_momentum"]): int(r["comm_bytes_per_island"]) for r in rows}
+    # 30 steps, H = 30: one sync of 2·|Θ|·4 bytes for DiLoCo; DDP all-reduces every step
+    assert bytes_sent[("nesterov", "2", "0.9")] == 2 * params * 4
+    assert bytes_sent[("ddp", "1", "")] == 30 * 2 * params * 4
+    result = json.loads((tmp_path / "outer_optimizers.json").read_text())
+    claims = {c["claim"] for c in result["comparisons"]}
+    assert "K=1 DiLoCo (best η, β) below Data-Parallel" in claims
+    assert all(c["verdict"] == "unresolved" for c in result["comparisons"])  # one seed: no interval
+    assert (tmp_path / "outer_optimizers.png").stat().st_size > 10_000
