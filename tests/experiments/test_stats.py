@@ -15,14 +15,14 @@ def test_describe():
 
 
 def test_paired_t_interval_by_hand():
-    # differences 0.1, 0.2, 0.3: mean 0.2, sd 0.1, t(0.975, 2) = 4.302653; half = 4.302653 · 0.1 / √3
-    a = {0: 1.1, 1: 2.2, 2: 3.3, 7: 9.0}
+    # differences 0.10, 0.11, 0.12: mean 0.11, sd 0.01, t(0.975, 2) = 4.302653; half = 4.302653 · 0.01 / √3
+    a = {0: 1.1, 1: 2.11, 2: 3.12, 7: 9.0}
     b = {0: 1.0, 1: 2.0, 2: 3.0}
     p = paired(a, b)
-    half = 4.302653 * 0.1 / math.sqrt(3)
-    assert p["n"] == 3 and p["diff"] == pytest.approx(0.2)
-    assert (p["lo"], p["hi"]) == (pytest.approx(0.2 - half, rel=1e-6), pytest.approx(0.2 + half, rel=1e-6))
-    assert p["diff_pct"] == pytest.approx(10.0)
+    half = 4.302653 * 0.01 / math.sqrt(3)
+    assert p["n"] == 3 and p["diff"] == pytest.approx(0.11)
+    assert (p["lo"], p["hi"]) == (pytest.approx(0.11 - half, rel=1e-6), pytest.approx(0.11 + half, rel=1e-6))
+    assert p["diff_pct"] == pytest.approx(5.5)
     assert verdict(p) == "contradicted"  # a is higher than b, surely
     assert verdict(paired(b, a)) == "holding"
     assert verdict(paired({0: 1.0, 1: 2.1}, {0: 1.05, 1: 2.0})) == "unresolved"
