@@ -17,6 +17,7 @@ from tools import export_model
 from tools import sample as sample_tool
 
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.xdist_group("export_run")  # one worker trains the run all three share
 
 LOAD_ALONE = """
 import sys, numpy as np, equinox as eqx

@@ -1,6 +1,7 @@
 """`--config FILE`: YAML/JSON settings under the command line's flags, and a run's run.json
 rerunning it exactly."""
 
+import dataclasses
 import json
 
 import pytest
@@ -65,6 +66,21 @@ def test_missing_config_file(tmp_path):
         read_config(str(tmp_path / "nowhere.yaml"))
 
 
+def test_run_json_gives_back_every_setting_of_the_run(tmp_path):
+    """What a rerun from run.json trains with: the recorded run's RunConfig, field for field
+    (the run itself is deterministic given its settings; the slow test below reruns one)."""
+    from diloco_eqx.training.loop import write_json
+
+    argv = ["--steps", "8", "--sync-period", "4", "--num-fragments", "2", "--drops", "4:1", "--width", "48",
+            "--tokenizer", "bpe:300", "--tracker", "jsonl", "tensorboard", "--no-progress", "--corpus", "markov",
+            "num_bytes=1000", "--out", str(tmp_path / "a")]
+    first = parse_settings(argv)
+    write_json(tmp_path / "run.json", {"settings": first.flat() | {"resume": True}, "command": argv})
+    again = parse_settings(["--config", str(tmp_path / "run.json"), "--out", str(tmp_path / "b")])
+    assert again == dataclasses.replace(first, out=str(tmp_path / "b"))
+
+
+@pytest.mark.slow  # two training runs
 def test_run_json_reruns_the_run_exactly(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     assert train.main([*TINY, "--steps", "8", "--eval-every", "4", "--sync-period", "4",
