@@ -45,7 +45,7 @@ def test_outer_optimizers_quick(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "summary.csv")))
     assert len(rows) == 7 and {r["method"] for r in rows} == {"ddp", "nesterov", "adam"}
     params = json.loads((tmp_path / "ddp,seed=0" / "run.json").read_text())["model"]["params"]
-    bytes_sent = {(r["method"], r["K"], r["outer_momentum"]): int(r["comm_bytes_per_island"]) for r in rows}
+    bytes_sent = {(r["method"], r["K"], r["outer_momentum"]): int(float(r["comm_bytes_per_island"])) for r in rows}
     # 30 steps, H = 30: one sync of 2·|Θ|·4 bytes for DiLoCo; DDP all-reduces every step
     assert bytes_sent[("nesterov", "2", "0.9")] == 2 * params * 4
     assert bytes_sent[("ddp", "1", "")] == 30 * 2 * params * 4
