@@ -17,6 +17,7 @@ import equinox as eqx
 from diloco_eqx.training.checkpoint import Checkpointer
 from diloco_eqx.training.cli import build_parser, parse_run_config
 from diloco_eqx.training.config import RunConfig
+from diloco_eqx.training.loop import read_jsonl
 from models.transformer import TransformerConfig
 
 
@@ -70,6 +71,6 @@ def model_config(run_dir: str | Path) -> TransformerConfig:
 def recorded_eval_loss(run_dir: str | Path, step: int) -> float | None:
     """The held-out loss the run recorded at `step`, if it evaluated there."""
     path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = read_jsonl(path) if path.exists() else []
     losses = [r["eval_loss"] for r in rows if r.get("eval") and r.get("step") == step]
     return losses[-1] if losses else None

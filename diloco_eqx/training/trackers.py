@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, ClassVar, final
 
 from diloco_eqx._registry import Registry
-from diloco_eqx.training.loop import JsonlWriter, Tracker
+from diloco_eqx.training.loop import JsonlWriter, Tracker, _complete_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,9 +226,6 @@ def open_trackers(names: tuple[str, ...] | list[str], out: str | os.PathLike, se
 
 def _last_step(path: Path) -> int | None:
     """The step of the last complete line of a metrics file (None: no file or no line)."""
-    if not path.exists():
-        return None
-    for line in reversed(path.read_text(errors="replace").splitlines()):
-        with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
-            return int(json.loads(line)["step"])
-    return None
+    records = _complete_records(path) if path.exists() else []
+    steps = [r["step"] for _, r in records if isinstance(r.get("step"), int)]
+    return steps[-1] if steps else None
