@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import importlib
 import json
 import numbers
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import Any, ClassVar, final
 
@@ -141,6 +143,8 @@ class WandbTracker:
         # rows a previous session sent this run are not sent again (its steps only grow)
         self._skip_through = session.logged_through if known else None
         id_file.parent.mkdir(parents=True, exist_ok=True)
+        if known:
+            fresh_second(id_file.parent, known)
         self._run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", "diloco_eqx"), name=session.out.resolve().name,
             dir=str(session.out), id=known or secrets.token_hex(4), resume="allow",
@@ -156,6 +160,15 @@ class WandbTracker:
 
     def close(self) -> None:
         self._run.finish()
+
+
+def fresh_second(root: Path, run_id: str) -> None:
+    """Wait until no session directory of `run_id` under `root` carries the current second:
+    W&B names a session's directory by the second it starts in, so a resumed session that
+    started within the same second as the previous one would write into that one's files
+    (and lose its rows)."""
+    while any(root.glob(f"*-{datetime.datetime.now():%Y%m%d_%H%M%S}-{run_id}")):
+        time.sleep(0.05)
 
 
 TRACKERS: Registry[type] = Registry(

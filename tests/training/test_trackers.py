@@ -312,3 +312,15 @@ def test_missing_wandb_stops_before_anything_is_written(tmp_path, monkeypatch, c
     assert train.main([*TINY, "--tracker", "wandb", "--out", str(out)]) == 2
     assert not out.exists()
     assert '--tracker wandb needs the wandb package' in capsys.readouterr().err
+
+
+def test_a_resumed_wandb_session_starts_in_a_second_of_its_own(tmp_path):
+    """The flaky failure this prevents: a resumed session started within the second of the
+    previous one shares its directory name, and its rows were lost."""
+    import datetime
+
+    now = f"{datetime.datetime.now():%Y%m%d_%H%M%S}"
+    (tmp_path / f"offline-run-{now}-abcd").mkdir()
+    trackers.fresh_second(tmp_path, "abcd")
+    assert f"{datetime.datetime.now():%Y%m%d_%H%M%S}" != now
+    trackers.fresh_second(tmp_path, "other")  # another run's directory does not matter
