@@ -13,6 +13,10 @@ Built in:
 - "fp4":  E3M0 — a sign bit and 3 exponent bits, no mantissa — with a per-tensor float32
           scale s = max |x|. Code c in 1..7 means ±s·2^(c−7), c = 0 means 0; each value
           rounds to the nearest representable one (ties upward). Two codes per byte.
+- "topk": SparseLoCo's chunked top-k (`TopK`): per chunk of `chunk` values the
+          round(density·chunk) largest in magnitude, `bits`-bit uniform codes on [−m, m]
+          (m: that chunk's largest), their uint16 positions and a float32 m per chunk;
+          every other value arrives as 0. DiLoCoConfig builds it from the topk_* knobs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, PyTree, UInt8
 
@@ -56,6 +61,11 @@ class AbstractCodec(eqx.Module):
     def payload_bytes(self, n: int) -> int:
         """Bytes of one tensor's payload of n values (override when there is a scale)."""
         return math.ceil(n * self.bits / 8)
+
+    def index_bytes(self, n: int) -> int:
+        """The part of `payload_bytes(n)` that says where the values go (0: a dense codec,
+        which sends every value in order)."""
+        return 0
 
 
 def _scale(x: Float[Array, " n"], top: float) -> Float[Array, ""]:
@@ -158,11 +168,129 @@ def _fp4_values(codes: UInt8[Array, " n"]) -> Float[Array, " n"]:
     return jnp.where(codes & 8, -mag, mag)
 
 
+TOPK_BITS = (1, 2, 4, 8)  # code widths that pack whole codes into a byte
+TOPK_MAX_CHUNK = 65536  # positions within a chunk travel as uint16
+
+
+class TopK(AbstractCodec):
+    """SparseLoCo's chunked top-k with `bits`-bit values (Sarfi et al. 2025).
+
+    A tensor of n values is cut into chunks of c = min(chunk, n) (the last one padded with
+    zeros); each chunk sends its k = max(1, round(density·c)) values of largest magnitude
+    (`lax.top_k` of |x|: on equal magnitudes the lower position wins; round() is Python's,
+    half to even). They are quantized to L = 2**bits levels spread evenly over [−m, m],
+    m = the chunk's largest |x| (level j = m·(2j − (L−1))/(L−1), j = 0..L−1): each value
+    takes the nearest level, ties to the even j as jnp.round does. The level index starts
+    as round((x/m + 1)·(L−1)/2) and moves one level where x lies beyond a midpoint
+    m·(2j ± 1 − (L−1))/(L−1), so a value tiny next to m keeps its sign (x/m + 1 would round
+    to exactly 1, a tie). There is no 0 level: a selected 0 arrives as +m/(L−1) (−m with
+    bits = 1), which only happens in a chunk with fewer than k nonzero values.
+
+    Payload: "values" (uint8, the k·(number of chunks) codes packed 8/bits per byte, first
+    code in the low bits), "indices" (uint16 (chunks, k), positions within each chunk),
+    "scale" (float32 (chunks,), m). Decoding scatters the levels into zeros and drops the
+    padding. `bits` here is the width of one sent value's code; what a tensor costs on the
+    wire is `payload_bytes(n)` (values, indices and scales), of which `index_bytes(n)` are
+    the indices.
+    """
+
+    density: float = 0.03
+    """Fraction of each chunk's values sent, in (0, 1]."""
+    chunk: int = 4096
+    """Values per chunk, 1..65536."""
+    bits: int = 2
+    """Bits of one sent value's code: 1, 2, 4 or 8."""
+
+    def __init__(self, density: float = 0.03, chunk: int = 4096, bits: int = 2):
+        # written out so the positional order is (density, chunk, bits): as a field that
+        # fills AbstractCodec's `bits`, bits would otherwise come first
+        self.density, self.chunk, self.bits = density, chunk, bits
+
+    def __check_init__(self):
+        if isinstance(self.density, bool) or not isinstance(self.density, (int, float)) or not 0 < self.density <= 1:
+            raise ValueError(f"TopK density must be a number in (0, 1]; got {self.density!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or not 1 <= self.chunk <= TOPK_MAX_CHUNK:
+            raise ValueError(f"TopK chunk must be an integer in 1..{TOPK_MAX_CHUNK}; got {self.chunk!r}")
+        if isinstance(self.bits, bool) or self.bits not in TOPK_BITS:
+            raise ValueError(f"TopK bits must be one of {TOPK_BITS}; got {self.bits!r}")
+
+    def layout(self, n: int) -> tuple[int, int, int]:
+        """(chunk size c, number of chunks, values sent per chunk k) for a tensor of n values."""
+        c = max(1, min(self.chunk, n))
+        return c, -(-n // c), max(1, round(self.density * c))
+
+    def _ratios(self) -> tuple[Array, Array]:
+        """The levels and the midpoints between neighbours, as multiples of m: float32
+        constants, each one correctly rounded quotient (made with NumPy, not left to XLA,
+        which may divide by a constant as a multiplication by its reciprocal)."""
+        top = 2**self.bits - 1
+        levels = np.float32(2 * np.arange(top + 1) - top) / np.float32(top)
+        mids = np.float32(2 * np.arange(top) + 1 - top) / np.float32(top)
+        return jnp.asarray(levels), jnp.asarray(mids)
+
+    def encode(self, flat):
+        n = flat.shape[0]
+        c, chunks, k = self.layout(n)
+        rows = jnp.pad(flat, (0, chunks * c - n)).reshape(chunks, c)
+        _, idx = lax.top_k(jnp.abs(rows), k)
+        sel = jnp.take_along_axis(rows, idx, axis=1)
+        m = jnp.max(jnp.abs(sel), axis=1, initial=0.0)
+        top = 2**self.bits - 1
+        _, mids = self._ratios()
+        u = sel / jnp.where(m > 0, m, 1.0)[:, None]
+        j = jnp.clip(jnp.round((u + 1.0) * (top / 2)), 0, top).astype(jnp.int32)
+        # one level down or up where x is past the midpoint (a tie goes to the even j)
+        lo = m[:, None] * mids[jnp.clip(j - 1, 0, top - 1)]
+        hi = m[:, None] * mids[jnp.clip(j, 0, top - 1)]
+        odd = (j % 2) == 1
+        down = (j > 0) & ((sel < lo) | ((sel == lo) & odd))
+        up = (j < top) & ((sel > hi) | ((sel == hi) & odd))
+        codes = (j - down.astype(jnp.int32) + up.astype(jnp.int32)).astype(jnp.uint8).reshape(-1)
+        per = 8 // self.bits
+        codes = jnp.pad(codes, (0, -codes.size % per)).reshape(-1, per)
+        shifts = jnp.arange(per, dtype=jnp.uint8) * self.bits
+        packed = jnp.sum(codes.astype(jnp.uint32) << shifts.astype(jnp.uint32)[None], axis=1).astype(jnp.uint8)
+        return {"values": packed, "indices": idx.astype(jnp.uint16), "scale": m.astype(jnp.float32)}
+
+    def decode(self, payload, n):
+        c, chunks, k = self.layout(n)
+        per = 8 // self.bits
+        shifts = jnp.arange(per, dtype=jnp.uint8) * self.bits
+        codes = (payload["values"][:, None] >> shifts[None]) & jnp.uint8(2**self.bits - 1)
+        codes = codes.reshape(-1)[: chunks * k].reshape(chunks, k).astype(jnp.int32)
+        levels, _ = self._ratios()
+        vals = payload["scale"][:, None] * levels[codes]
+        idx = payload["indices"].astype(jnp.int32)
+        out = jnp.zeros((chunks, c), jnp.float32).at[jnp.arange(chunks)[:, None], idx].set(vals)
+        return out.reshape(-1)[:n]
+
+    def error_bound(self, x):
+        # an unsent value arrives as 0 (error |x|); a sent one is at most half a level step,
+        # m_chunk/(L−1) <= M/(L−1) with M the tensor's largest |x|, off its level (plus the
+        # float32 rounding of m·level and of the midpoints: far below 1e-6·M)
+        a = jnp.abs(jnp.asarray(x, jnp.float32))
+        m = jnp.max(a) if a.size else 0.0
+        return jnp.maximum(a, m / (2**self.bits - 1)) + m * 1e-6
+
+    def payload_bytes(self, n):
+        if n == 0:
+            return 0
+        _, chunks, k = self.layout(n)
+        return math.ceil(chunks * k * self.bits / 8) + self.index_bytes(n) + 4 * chunks
+
+    def index_bytes(self, n):
+        if n == 0:
+            return 0
+        _, chunks, k = self.layout(n)
+        return 2 * chunks * k
+
+
 # ---------------------------------------------------------------- the registry
 
 CODECS: Registry[AbstractCodec] = Registry(
     "codec", "an AbstractCodec instance", lambda c: isinstance(c, AbstractCodec))
-for _name, _codec in (("none", Float32()), ("bf16", BFloat16()), ("fp8", Float8()), ("fp4", Float4())):
+for _name, _codec in (("none", Float32()), ("bf16", BFloat16()), ("fp8", Float8()), ("fp4", Float4()),
+                      ("topk", TopK())):
     CODECS.register(_name, _codec)
 
 
@@ -190,7 +318,8 @@ def check_format(fmt: str) -> str:
 
 
 def bits_per_value(fmt: str) -> int:
-    """Bits one parameter takes on the wire (per-tensor scales not counted)."""
+    """Bits one parameter takes on the wire (per-tensor scales not counted); for a sparse
+    codec such as "topk", of each value it sends (its payload_bytes counts what it sends)."""
     return get_codec(fmt).bits
 
 

@@ -15,6 +15,8 @@ from diloco_eqx.outer import check_outer_optimizer
 from diloco_eqx.schedule import Schedule
 
 OUTER_DTYPES = ("float32", "param")
+DELAYED_OUTER = ("none", "naive", "eager")
+ISLAND_WEIGHTING = ("uniform", "tokens")
 
 # MaxText's knob names, so a run configured there can be replayed here.
 MAXTEXT_NAMES = {
@@ -74,9 +76,19 @@ class DiLoCoConfig:
     """β2 of outer Adam (outer_optimizer="adam" only)."""
     compression: str = "none"
     """Format of the pseudo-gradients on the wire: "none" (float32), "bf16", "fp8", "fp4",
-    or a codec registered with register_codec."""
+    "topk" (SparseLoCo's chunked top-k, set by the topk_* knobs), or a codec registered
+    with register_codec."""
     error_feedback: bool = False
     """Carry each island's quantization error into its next pseudo-gradient of that fragment."""
+    error_decay: float = 1.0
+    """β of the error-feedback buffer, in [0, 1]: the carried error is multiplied by it before
+    it is added to the next pseudo-gradient (1: carried whole; error_feedback only)."""
+    topk_density: float = 0.03
+    """Fraction of each chunk's values compression="topk" sends, in (0, 1]."""
+    topk_chunk: int = 4096
+    """Values per chunk of compression="topk" (each chunk sends its largest), 1..65536."""
+    topk_bits: int = 2
+    """Bits of each value compression="topk" sends: 1, 2, 4 or 8."""
     drops: tuple[tuple[int, int], ...] = ()
     """Simulated faults: (step t, island k) pairs; island k's pseudo-gradient misses the sync at t."""
     drop_prob: float | tuple[float, ...] = 0.0
@@ -88,6 +100,19 @@ class DiLoCoConfig:
     outer_dtype: str = "float32"
     """Storage of the outer model and outer optimizer state: "float32" (at least float32,
     whatever the inner dtype) or "param" (each parameter's own dtype)."""
+    delayed_outer: str = "none"
+    """Let each exchange run during the next round(s) of inner steps: "none" (the outer step
+    waits for it), "naive" (each sync's outer step uses the mean sent `outer_delay` rounds
+    earlier, the one that has arrived), "eager" (each island adds its own fresh
+    pseudo-gradient's share and drops its stale one: islands then keep their own outer copies)."""
+    outer_delay: int = 1
+    """Rounds (syncs of a fragment) an exchange stays in flight with delayed_outer = naive or eager."""
+    island_speed: float | tuple[float, ...] = 1.0
+    """Fraction s_k of each period's inner steps an island takes (the first ⌊s_k·H_eff⌋ of
+    every H_eff; it idles for the rest): one value for every island, or one per island, in [0, 1]."""
+    island_weighting: str = "uniform"
+    """How the islands' pseudo-gradients are averaged: "uniform", or "tokens" (weighted by
+    the inner steps each took since the fragment's last sync; an island that took none is left out)."""
 
     def __post_init__(self):
         check_int("num_replicas (K)", self.num_replicas, low=1)
@@ -109,9 +134,23 @@ class DiLoCoConfig:
         if self.error_feedback and self.compression == "none":
             warnings.warn(
                 "error_feedback=True has no effect with compression='none' (float32 loses "
-                "nothing to carry); set compression to 'bf16', 'fp8' or 'fp4' to use it",
+                "nothing to carry); set compression to 'bf16', 'fp8', 'fp4' or 'topk' to use it",
                 stacklevel=3,
             )
+        check_number("error_decay", self.error_decay, "[0, 1]", lambda a: 0.0 <= a <= 1.0)
+        if self.error_decay != 1.0 and not self.error_feedback:
+            warnings.warn(
+                f"error_decay={self.error_decay} has no effect with error_feedback=False (no "
+                "error is carried); set error_feedback=True to use it",
+                stacklevel=3,
+            )
+        check_number("topk_density", self.topk_density, "(0, 1]", lambda a: 0.0 < a <= 1.0)
+        if (isinstance(self.topk_chunk, bool) or not isinstance(self.topk_chunk, int)
+                or not 1 <= self.topk_chunk <= codecs.TOPK_MAX_CHUNK):
+            raise ValueError(f"topk_chunk must be an integer in 1..{codecs.TOPK_MAX_CHUNK} (positions "
+                             f"within a chunk travel as uint16); got {self.topk_chunk!r}")
+        if isinstance(self.topk_bits, bool) or self.topk_bits not in codecs.TOPK_BITS:
+            raise ValueError(f"topk_bits must be one of {codecs.TOPK_BITS}; got {self.topk_bits!r}")
         if self.streaming:
             check_int("num_fragments (P) with streaming=True", self.num_fragments, low=2)
             sched = Schedule.from_config(self)  # checks V < H_eff
@@ -130,6 +169,49 @@ class DiLoCoConfig:
                 stacklevel=3,
             )
         self._check_faults()
+        self._check_delayed()
+        self._check_speeds()
+
+    def _check_delayed(self) -> None:
+        if self.delayed_outer not in DELAYED_OUTER:
+            raise ValueError(f"delayed_outer must be one of {DELAYED_OUTER}; got {self.delayed_outer!r}")
+        check_int("outer_delay", self.outer_delay, low=1)
+        if self.delayed_outer == "none":
+            return
+        if self.streaming and self.overlap_steps:
+            raise ValueError(f"delayed_outer={self.delayed_outer!r} needs overlap_steps (V) = 0 (the "
+                             f"exchange already overlaps whole rounds); got {self.overlap_steps}")
+        if self.compression != "none":
+            raise ValueError(f"delayed_outer={self.delayed_outer!r} supports compression='none' only; "
+                             f"got {self.compression!r}")
+
+    def _check_speeds(self) -> None:
+        speeds = self.island_speed
+        if isinstance(speeds, (list, tuple)):
+            speeds = tuple(speeds)
+            object.__setattr__(self, "island_speed", speeds)
+            if len(speeds) != self.num_replicas:
+                raise ValueError(f"island_speed needs one value per island (K={self.num_replicas}); "
+                                 f"got {len(speeds)}")
+        for s in speeds if isinstance(speeds, tuple) else (speeds,):
+            check_number("island_speed", s, "[0, 1]", lambda x: 0.0 <= x <= 1.0)
+        if not any(n > 0 for n in self.island_steps):
+            raise ValueError(f"island_speed: at least one island must take an inner step per period "
+                             f"(⌊s·H_eff⌋ >= 1, H_eff={self.schedule.period}); got {self.island_speed!r}")
+        if self.island_weighting not in ISLAND_WEIGHTING:
+            raise ValueError(f"island_weighting must be one of {ISLAND_WEIGHTING}; got {self.island_weighting!r}")
+
+    @property
+    def island_steps(self) -> tuple[int, ...]:
+        """Inner steps each island takes per period H_eff: ⌊s_k·H_eff⌋."""
+        speeds = self.island_speed if isinstance(self.island_speed, tuple) else (self.island_speed,) * self.num_replicas
+        period = self.schedule.period
+        return tuple(math.floor(float(s) * period + 1e-9) for s in speeds)
+
+    @property
+    def heterogeneous(self) -> bool:
+        """Whether some island idles for part of each period."""
+        return any(n < self.schedule.period for n in self.island_steps)
 
     def _check_faults(self) -> None:
         k = self.num_replicas
@@ -173,7 +255,9 @@ class DiLoCoConfig:
 
     @property
     def codec(self) -> codecs.AbstractCodec:
-        """The codec the `compression` knob names."""
+        """The codec the `compression` knob names ("topk": built from the topk_* knobs)."""
+        if self.compression == "topk":
+            return codecs.TopK(self.topk_density, self.topk_chunk, self.topk_bits)
         return codecs.get_codec(self.compression)
 
     @property

@@ -17,6 +17,7 @@ from jaxtyping import Array, Int, PyTree
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import stash as stash_lib
 from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.delayed import IslandOuter
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.sync import outer_optimizer as default_outer_optimizer
 from diloco_eqx.sync import to_outer_dtype, wide
@@ -46,12 +47,22 @@ class DiLoCoState(eqx.Module):
     step's exchange (streaming with V >= 1; one (fsdp, data, size) row per island sized to
     the largest fragment, see `stash.py`), else None."""
 
-    ON_ISLANDS: ClassVar[frozenset[str]] = frozenset({"inner_model", "inner_opt_state", "residual", "pending"})
+    island_outer: IslandOuter | None = None
+    """With delayed_outer naive or eager: each island's own outer copy, outer optimizer
+    states and in-flight exchanges (see `delayed.py`); `outer` then stays the initial model
+    and `outer_opt_state` is empty, and `train_step.outer_model(state)` is the islands' mean."""
+
+    ON_ISLANDS: ClassVar[frozenset[str]] = frozenset({"inner_model", "inner_opt_state", "residual", "pending",
+                                                      "island_outer"})
     """Fields with a leading island axis (sharded over "diloco"); the others are replicated."""
 
     @property
     def outer_model(self) -> eqx.Module:
         """The outer model, where it cannot be stale (no exchange can be in flight)."""
+        if self.island_outer is not None:
+            raise RuntimeError(
+                "state.outer_model: with delayed_outer naive or eager each island keeps its own outer "
+                "copy and state.outer is not updated; use train_step.outer_model(state) (their mean)")
         if self.pending is not None:
             raise RuntimeError(
                 "state.outer_model: with overlap_steps (V) >= 1 the exchange of a sync at the last "
@@ -122,6 +133,12 @@ def init_state(
         return per_island(jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params))
 
     deferred = cfg.streaming and cfg.overlap_steps >= 1
+    island_outer = None
+    if cfg.delayed_outer != "none":
+        in_flight = jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), outer_params)
+        island_outer = per_island(IslandOuter(outer_params, outer_opt_state, (in_flight,) * cfg.outer_delay))
+        island_outer = owned_copy(island_outer)
+        outer_opt_state = ()
 
     state = DiLoCoState(
         inner_model=per_island(model),
@@ -131,6 +148,7 @@ def init_state(
         step=jnp.zeros((), jnp.int32),
         residual=zeros() if carries_residual(cfg) else None,
         pending=stash_lib.for_model(params, frags, mesh, param_specs).zeros(k) if deferred else None,
+        island_outer=island_outer,
     )
     return place_state(state, mesh, param_specs)
 

@@ -34,7 +34,9 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
+from diloco_eqx import delayed as delayed_lib
 from diloco_eqx import mesh as mesh_lib
+from diloco_eqx import speeds
 from diloco_eqx import stash as stash_lib
 from diloco_eqx import sync
 from diloco_eqx.islands import Islands, make_islands
@@ -77,6 +79,21 @@ class Plan:
     @property
     def num_islands(self) -> int:
         return self.cfg.num_replicas
+
+    @property
+    def delayed(self) -> bool:
+        """Whether exchanges stay in flight for whole rounds (delayed_outer naive or eager)."""
+        return self.cfg.delayed_outer != "none"
+
+    def island_steps(self) -> Int[Array, " k"]:
+        """Inner steps per period of each island the body sees."""
+        return jnp.asarray(self.cfg.island_steps, jnp.int32)[self.islands.ids()]
+
+    def island_weights(self, t) -> Float[Array, " k"] | None:
+        """Each seen island's weight in the mean of a sync at t (None: uniform)."""
+        if self.cfg.island_weighting == "uniform":
+            return None
+        return speeds.steps_since_sync(self.island_steps(), self.schedule.period, t)
 
     @property
     def islands(self) -> Islands:
@@ -187,9 +204,10 @@ def _loop_variant(trip: Int[Array, ""], tree: PyTree) -> PyTree:
 # ---------------------------------------------------------------- the inner step
 
 
-def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree, batches: PyTree):
+def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree, batches: PyTree, t=None):
     """One inner optimizer step on each island of this device: (islands, states, losses).
-    `inner` holds the islands' array leaves; `static` the model's other parts."""
+    `inner` holds the islands' array leaves; `static` the model's other parts. With
+    heterogeneous islands, an island idle at step t keeps its parameters and state."""
 
     def one(arrays, opt_state, batch):
         model = eqx.combine(arrays, static)
@@ -197,7 +215,12 @@ def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree,
         updates, opt_state = plan.inner_optimizer.update(grads, opt_state, params(model))
         return eqx.filter(eqx.apply_updates(model, updates), eqx.is_array), opt_state, loss
 
-    return plan.islands.map(one, inner, inner_opt, batches)
+    new_inner, new_opt, losses = plan.islands.map(one, inner, inner_opt, batches)
+    if not plan.cfg.heterogeneous:
+        return new_inner, new_opt, losses
+    active = speeds.is_active(plan.island_steps(), plan.schedule.period, t)
+    keep = lambda new, old: jax.tree.map(lambda a, b: sync._per_island(active, a, b), new, old)  # noqa: E731
+    return keep(new_inner, inner), keep(new_opt, inner_opt), losses
 
 
 # ---------------------------------------------------------------- sync of one fragment
@@ -227,7 +250,9 @@ def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_o
     outer_f = frags.take(params(outer), f)
     ok = finite & ~plan.cfg.fault_model.missing(t_sync, islands.ids(), deltas)
     res_f = None if residual is None else islands.map(lambda r: frags.take(r, f), residual)
-    mean, count, res_f, err = sync.mean_pseudo_gradient(plan.cfg.codec, deltas, ok, res_f, outer_f, islands)
+    mean, count, res_f, err = sync.mean_pseudo_gradient(plan.cfg.codec, deltas, ok, res_f, outer_f, islands,
+                                                        weights=plan.island_weights(t_sync),
+                                                        decay=plan.cfg.error_decay)
     if residual is not None:
         residual = islands.map(lambda r, e: frags.put(r, f, e), residual, res_f)
     new_f, new_opt, update = sync.outer_step(plan.outer_optimizer, mean, outer_opt[f], outer_f)
@@ -303,16 +328,82 @@ def stash_stage(plan: Plan, t, inner, outer, pending, after=None):
                 after=after, count=True)
 
 
+# ---------------------------------------------------------------- delayed outer updates
+
+
+def sync_fragment_delayed(plan: Plan, f: int, t, inner, island_outer: delayed_lib.IslandOuter):
+    """Round t of fragment f with the exchange in flight for `outer_delay` rounds: each island
+    steps its own outer copy on the rule of delayed.py, and keeps this round's mean for the
+    round it arrives in. The mean is taken now (the numbers); that it would cross the link
+    during the next rounds is what the mode models."""
+    take, put, islands, cfg = plan.fragments.take, plan.fragments.put, plan.islands, plan.cfg
+    with jax.named_scope(f"fragment_{f}"):
+        own_outer = islands.map(lambda o: take(o, f), island_outer.params)
+
+        def one(island, o):
+            own = take(params(island), f)
+            return sync.pseudo_gradient(o, own), sync.all_finite(own)
+
+        deltas, finite = islands.map(one, plan.pin_islands(inner), own_outer)
+        ok = finite & ~cfg.fault_model.missing(t, islands.ids(), deltas)
+        weights = plan.island_weights(t)
+        like = jax.tree.map(lambda x: x[0], deltas)
+        mean, count, _, _ = sync.mean_pseudo_gradient(cfg.codec, deltas, ok, None, like, islands, weights=weights)
+        w = jnp.ones(ok.shape, jnp.float32) if weights is None else weights
+        ok = ok & (w > 0)
+        share = jnp.where(ok, w, 0.0) / jnp.maximum(islands.sum(jnp.where(ok, w, 0.0)), 1e-30)
+        expected = w / jnp.sum(jnp.asarray(_all_weights(plan, t)))
+        fresh = jax.tree.map(lambda d: sync._per_island(finite, d, 0.0), deltas)
+        j = delayed_lib.slot(plan.schedule, cfg.outer_delay, t)
+        arrived = islands.map(lambda u: take(u, f), delayed_lib.read_slot(island_outer.in_flight, j))
+        mode = cfg.delayed_outer
+        step_on = islands.map(partial(delayed_lib.outer_delta, mode), fresh, expected, arrived)
+        u = islands.map(lambda d, sh: delayed_lib.in_flight_part(mode, mean, d, sh), fresh, share)
+        opt = island_outer.opt_state[f]
+        new_outer, new_opt, update = islands.map(partial(sync.outer_step, plan.outer_optimizer), step_on, opt, own_outer)
+        slot_j = islands.map(lambda all_u, uf: put(all_u, f, uf), delayed_lib.read_slot(island_outer.in_flight, j), u)
+        report = SyncMetrics(sync.tree_norm(mean), islands.mean(islands.map(sync.tree_norm, update)), count, None)
+        return delayed_lib.IslandOuter(
+            islands.map(lambda o, n: put(o, f, n), island_outer.params, new_outer),
+            (*island_outer.opt_state[:f], new_opt, *island_outer.opt_state[f + 1:]),
+            delayed_lib.write_slot(island_outer.in_flight, j, slot_j)), report
+
+
+def _all_weights(plan: Plan, t):
+    """Every island's weight at a sync at t (uniform: ones), for the share it expects."""
+    if plan.cfg.island_weighting == "uniform":
+        return jnp.ones((plan.num_islands,), jnp.float32)
+    return speeds.steps_since_sync(jnp.asarray(plan.cfg.island_steps, jnp.int32), plan.schedule.period, t)
+
+
+def delayed_sync_stage(plan: Plan, t, inner, island_outer):
+    """The delayed form's sync of fragment f(t), if t is a sync step: (island outer, report)."""
+    s, p = plan.schedule, plan.schedule.num_fragments
+    branches = [lambda c, i, f=f: sync_fragment_delayed(plan, f, t, i, c[0]) for f in range(p)]
+    carry = (island_outer, SyncMetrics.zeros(plan.islands, False))
+    return when(s.is_sync(t), s.fragment_at(t), branches, carry, inner,
+                pin=lambda out: (plan.pin_islands(out[0]), out[1]))
+
+
+def consensus(plan: Plan, s: DiLoCoState) -> PyTree:
+    """The model a delayed run evaluates: the mean of the islands' outer copies."""
+    mean = sync.cast_like(plan.islands.mean(s.island_outer.params), params(s.outer))
+    return eqx.combine(mean, eqx.filter(s.outer, eqx.is_inexact_array, inverse=True))
+
+
 # ---------------------------------------------------------------- apply of one fragment
 
 
-def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
+def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool = False):
     """Every island takes outer fragment f, blended with α, and says whether its own fragment
     f was not finite: those are reset (`reset_islands`), here when the backend cannot branch
     on island values, else by `apply_stage`. Returns (islands, their optimizer states, which
     were found non-finite)."""
     take, put = plan.fragments.take, plan.fragments.put
-    outer_f = plan.on_islands(take(params(outer), f))
+    if per_island:  # delayed outer updates: each island's own outer copy
+        outer_f = plan.islands.map(lambda o: take(o, f), outer)
+    else:
+        outer_f = plan.on_islands(take(params(outer), f))
     inner = plan.pin_islands(inner)
 
     def one(island, o):
@@ -325,15 +416,17 @@ def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer):
 
     inner, bad = plan.islands.map(one, inner, outer_f)
     if not plan.islands.local_branches:  # a branch on `bad` would gather it from every island
-        return (*reset_islands(plan, bad, inner, inner_opt, outer), bad)
+        return (*reset_islands(plan, bad, inner, inner_opt, outer, per_island), bad)
     return inner, inner_opt, bad
 
 
-def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
-    """Islands flagged in `bad` take the outer model (in their own dtypes), and every leaf
-    of their inner optimizer state that is not finite restarts from `init` on it (finite
-    leaves, such as step counts, are kept so schedules continue)."""
-    fresh = sync.cast_like(plan.on_islands(params(outer)), params(inner))
+def reset_islands(plan: Plan, bad, inner, inner_opt, outer, per_island: bool = False):
+    """Islands flagged in `bad` take the outer model (in their own dtypes; with
+    `per_island`, each its own outer copy), and every leaf of their inner optimizer state
+    that is not finite restarts from `init` on it (finite leaves, such as step counts, are
+    kept so schedules continue)."""
+    whole = outer if per_island else plan.on_islands(params(outer))
+    fresh = sync.cast_like(whole, params(inner))
     fresh_opt = plan.islands.map(plan.inner_optimizer.init, fresh)
 
     def pick(x, new, only_non_finite):
@@ -349,19 +442,21 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer):
     return inner, jax.tree.map(lambda x, n: pick(x, n, True), inner_opt, fresh_opt)
 
 
-def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None):
+def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None, per_island: bool = False):
     """The apply of fragment f(t−V), if t is an apply step, and the reset of any island found
-    non-finite; after the event that counted `after` (see `when`). Returns (islands, their
-    optimizer states, which were reset)."""
+    non-finite; after the event that counted `after` (see `when`). `outer` is the outer
+    model, or with `per_island` each island's outer copy. Returns (islands, their optimizer
+    states, which were reset)."""
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [lambda c, o, f=f: apply_fragment(plan, f, c[0], c[1], o) for f in range(p)]
+    branches = [lambda c, o, f=f: apply_fragment(plan, f, c[0], c[1], o, per_island) for f in range(p)]
     none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
+    outer = outer if per_island else params(outer)
     inner, inner_opt, bad = when(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
-                                 (inner, inner_opt, none), params(outer),
+                                 (inner, inner_opt, none), outer,
                                  pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after)
     if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
-        reset = lambda c, b, o: reset_islands(plan, b, *c, o)  # noqa: E731
-        inner, inner_opt = when(jnp.any(bad), 0, [reset], (inner, inner_opt), bad, params(outer),
+        reset = lambda c, b, o: reset_islands(plan, b, *c, o, per_island)  # noqa: E731
+        inner, inner_opt = when(jnp.any(bad), 0, [reset], (inner, inner_opt), bad, outer,
                                 pin=plan.pin_islands)
     return inner, inner_opt, bad
 
@@ -371,9 +466,11 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None):
 
 def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tuple[DiLoCoState, StepReport]:
     """Inner step, sync (exchange included) and apply, all in step t."""
-    with jax.named_scope("inner_step"):
-        inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches)
     t = s.step + 1
+    with jax.named_scope("inner_step"):
+        inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches, t)
+    if plan.delayed:
+        return delayed_step(plan, s, t, inner, inner_opt, losses)
     with jax.named_scope("diloco_sync"):
         outer, outer_opt, residual, report = sync_stage(plan, t, inner, s.outer, s.outer_opt_state, s.residual)
     # With V >= 1 the apply never reads the fragment synced in the same step, and an island
@@ -392,14 +489,25 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
     with jax.named_scope("diloco_sync"):
         exchanged, (outer, outer_opt, residual, report) = exchange_stage(
             plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual, count=True)
-    with jax.named_scope("inner_step"):
-        inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches)
     t = s.step + 1
+    with jax.named_scope("inner_step"):
+        inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches, t)
     with jax.named_scope("diloco_stash"):
         stashed, pending = stash_stage(plan, t, inner, outer, s.pending, after=exchanged)
     with jax.named_scope("diloco_apply"):
         inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer, after=stashed)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, pending)
+    return new, StepReport(t, losses, report, reset)
+
+
+def delayed_step(plan: Plan, s: DiLoCoState, t, inner, inner_opt, losses) -> tuple[DiLoCoState, StepReport]:
+    """After the inner step, with delayed outer updates: each island's outer step on its own
+    copy, then the apply from that copy."""
+    with jax.named_scope("diloco_sync"):
+        island_outer, report = delayed_sync_stage(plan, t, inner, s.island_outer)
+    with jax.named_scope("diloco_apply"):
+        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, island_outer.params, per_island=True)
+    new = dataclasses.replace(s, inner_model=inner, inner_opt_state=inner_opt, step=t, island_outer=island_outer)
     return new, StepReport(t, losses, report, reset)
 
 
@@ -410,11 +518,19 @@ def settled_outer(plan: Plan, s: DiLoCoState) -> PyTree:
 
 
 def check_outer_state(plan: Plan, state: DiLoCoState) -> None:
-    """The state's outer optimizer states must be the ones this plan's optimizer makes."""
+    """The state's outer optimizer states must be the ones this plan's optimizer makes, and
+    the state must carry per-island outer copies exactly when the plan delays its updates."""
+    if plan.delayed != (state.island_outer is not None):
+        raise ValueError(
+            "delayed_outer: the state was made for a different delayed_outer setting than this "
+            "step's; give init_state and make_train_step the same config")
     outer = params(state.outer)
     want = jax.eval_shape(lambda: tuple(plan.outer_optimizer.init(plan.fragments.take(outer, f))
                                         for f in range(plan.fragments.num_fragments)))
-    if jax.tree.structure(want) != jax.tree.structure(state.outer_opt_state):
+    have = state.outer_opt_state
+    if plan.delayed:
+        have = jax.eval_shape(lambda: jax.tree.map(lambda x: x[0], state.island_outer.opt_state))
+    if jax.tree.structure(want) != jax.tree.structure(have):
         raise ValueError(
             "outer_optimizer: the state's outer optimizer states do not have the structure this "
             "step's outer optimizer makes; give init_state and make_train_step the same "
@@ -444,7 +560,8 @@ def run_step(plan: Plan, batches: PyTree, state: DiLoCoState) -> tuple[DiLoCoSta
 def run_settle(plan: Plan, state: DiLoCoState) -> eqx.Module:
     plan = plan.for_model(state.outer)
     arrays, static = eqx.partition(state, eqx.is_array)
-    body = plan.islands.program(partial(settled_outer, plan), in_specs=(state_specs(arrays),),
+    settle = consensus if plan.delayed else settled_outer
+    body = plan.islands.program(partial(settle, plan), in_specs=(state_specs(arrays),),
                                 out_specs=mesh_lib.REPLICATED)
     return eqx.combine(body(arrays), static.outer)
 
@@ -487,8 +604,9 @@ class TrainStep:
 
     def outer_model(self, state: DiLoCoState) -> eqx.Module:
         """The outer model with every sync up to state.step applied (with the deferred
-        exchange, a sync at the last step is folded in here; the state is not changed)."""
-        if not self.deferred:
+        exchange, a sync at the last step is folded in here; with delayed outer updates,
+        the mean of the islands' outer copies; the state is not changed)."""
+        if not (self.deferred or self.plan.delayed):
             return state.outer
         with self.plan.islands.context():
             return self._settle(state)

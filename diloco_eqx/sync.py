@@ -140,17 +140,29 @@ def mean_pseudo_gradient(
     residual: PyTree | None,
     like: PyTree,
     islands: Islands,
+    *,
+    weights: Float[Array, " k_local"] | None = None,
+    decay: float = 1.0,
 ) -> tuple[PyTree, Int[Array, ""], PyTree | None, Float[Array, " k_local"] | None]:
     """(mean over contributing islands, their number, new residual, per-island relative
     coding error). `deltas`/`residual` have a leading axis over the islands the body sees;
     `like` is one island's fragment (the shapes to decode into). Islands that do not
-    contribute send zeros and keep their residual."""
+    contribute send zeros and keep their residual. With `weights` (one per island seen
+    here, >= 0) the mean is weighted and an island of weight 0 does not contribute. With a
+    residual, each island sends Δ + decay·residual (error feedback with a decaying buffer)."""
+    if weights is not None:
+        ok = ok & (weights > 0)
     if codec.lossless:
+        if weights is not None:
+            total = islands.sum(jax.tree.map(lambda x: _per_island(ok, x * _rows(weights, x), 0.0), deltas))
+            return (_divide(total, islands.sum(jnp.where(ok, weights, 0.0))),
+                    islands.sum(ok.astype(jnp.int32)), residual, None)
         total = islands.sum(jax.tree.map(lambda x: _per_island(ok, x, 0.0), deltas))
         count = islands.sum(ok.astype(jnp.int32))
         return _divide(total, count), count, residual, None
 
-    sent = deltas if residual is None else jax.tree.map(jnp.add, deltas, residual)
+    sent = deltas if residual is None else jax.tree.map(  # the carried error times β = decay
+        jnp.add if decay == 1.0 else (lambda d, r: d + decay * r), deltas, residual)
     sent = jax.tree.map(lambda x: _per_island(ok, x, 0.0), sent)
     payload = jax.vmap(lambda d: codecs.tree_encode(codec, d))(sent)
     every_ok = islands.gather(ok)
@@ -160,8 +172,12 @@ def mean_pseudo_gradient(
     if residual is not None:
         residual = jax.tree.map(lambda e, r: _per_island(ok, e, r), err, residual)
     rel_err = jax.vmap(lambda e, s: tree_norm(e) / tree_norm(s))(err, sent)
-    total = jax.tree.map(lambda x: jnp.sum(_per_island(every_ok, x, 0.0), axis=0), decoded)
     count = jnp.sum(every_ok.astype(jnp.int32))
+    if weights is not None:
+        w = jnp.where(every_ok, islands.gather(weights), 0.0)
+        total = jax.tree.map(lambda x: jnp.sum(_per_island(every_ok, x * _rows(w, x), 0.0), axis=0), decoded)
+        return _divide(total, jnp.sum(w)), count, residual, jnp.nan_to_num(rel_err)
+    total = jax.tree.map(lambda x: jnp.sum(_per_island(every_ok, x, 0.0), axis=0), decoded)
     return _divide(total, count), count, residual, jnp.nan_to_num(rel_err)
 
 
@@ -170,5 +186,11 @@ def _per_island(mask: Bool[Array, " k"], x: Array, other) -> Array:
     return jnp.where(mask.reshape(-1, *[1] * (x.ndim - 1)), x, other)
 
 
-def _divide(total: PyTree, count: Int[Array, ""]) -> PyTree:
-    return jax.tree.map(lambda x: x / jnp.maximum(count, 1).astype(x.dtype), total)
+def _rows(w: Float[Array, " k"], x: Array) -> Array:
+    """Per-island weights shaped to multiply x's rows."""
+    return w.reshape(-1, *[1] * (x.ndim - 1)).astype(x.dtype)
+
+
+def _divide(total: PyTree, count: Int[Array, ""] | Float[Array, ""]) -> PyTree:
+    """total / count, or total (zeros) when nothing contributed."""
+    return jax.tree.map(lambda x: x / jnp.where(count > 0, count, 1).astype(x.dtype), total)

@@ -225,16 +225,20 @@ def np_run(
     momentum: float = 0.9,
     compression="none",
     error_feedback: bool = False,
+    error_decay: float = 1.0,
     dropped=None,
     dtype=None,
     outer_dtype: str = "float32",
     outer_opt=None,
+    speeds=None,
+    weighting: str = "uniform",
     log: dict | None = None,
 ):
     """Run the algorithm; returns (per-step island losses, outer params, islands).
 
     With `compression`, each island's pseudo-gradient of a leaf's fragment part goes through
-    `np_quantize` (plus its carried residual with `error_feedback`) before the mean.
+    `np_quantize` (plus its carried residual, times `error_decay`, with `error_feedback`)
+    before the mean.
     `dropped(t, i)` says island i misses the sync at t; an island whose pseudo-gradient
     holds a NaN or Inf misses it too. The mean is over the others; with none, no outer step.
     At an apply, an island whose fragment holds a NaN or Inf is reset: it takes the whole
@@ -243,7 +247,10 @@ def np_run(
     trace are then float32 (`outer_dtype="float32"`) or `dtype` ("param").
     `outer_opt` (default: Nesterov SGD from `outer_lr`, `momentum`) steps the outer model;
     each fragment has its own state, made by `outer_opt.init` on that fragment's part.
-    `compression` is a format name or a function giving what the others receive for a tensor."""
+    `compression` is a format name or a function giving what the others receive for a tensor.
+    `speeds` (inner steps per period of each island, default all) idles island i on the
+    last H_eff − speeds[i] steps of every period; `weighting="tokens"` weights each island's
+    pseudo-gradient by the steps it took since the fragment's last sync (`np_tokens`)."""
     odt = None if dtype is None else (np.float32 if outer_dtype == "float32" else dtype)
     islands = [{n: cast(a, dtype) for n, a in model0.items()} for _ in range(k)]
     residual = [{n: np.zeros_like(a) for n, a in model0.items()} for _ in range(k)]
@@ -256,12 +263,13 @@ def np_run(
     for step_idx, x in enumerate(batches):
         rows = np.split(x.astype(np.float64), k)
         step_losses = []
+        t = step_idx + 1
         for i in range(k):
             loss, g = np_loss_and_grad(islands[i], rows[i])
-            islands[i], states[i] = inner.step(islands[i], g, states[i])
+            if speeds is None or (t - 1) % heff < speeds[i]:
+                islands[i], states[i] = inner.step(islands[i], g, states[i])
             step_losses.append(loss)
         losses.append(step_losses)
-        t = step_idx + 1
         # with V >= 1 a reset island takes the outer model without this step's sync
         reset_from = {n: o.copy() for n, o in outer.items()} if streaming and v else outer
         if t > 0 and t % dh == 0:  # sync
@@ -272,10 +280,12 @@ def np_run(
                 if not (dropped and dropped(t, i))
                 and all(np.all(np.isfinite(outer[n][idx] - islands[i][n][idx])) for n, idx in owned.items())
             ]
+            w = np_tokens(speeds, k, heff, t) if weighting == "tokens" else [1.0] * k
+            present = [i for i in present if w[i] > 0]
             if present:
-                delta = {n: np.mean([_sent(outer[n][idx] - islands[i][n][idx], residual[i][n], idx,
-                                           compression, error_feedback) for i in present], axis=0)
-                         for n, idx in owned.items()}
+                delta = {n: sum(w[i] * _sent(outer[n][idx] - islands[i][n][idx], residual[i][n], idx,
+                                             compression, error_feedback, error_decay) for i in present)
+                         / sum(w[i] for i in present) for n, idx in owned.items()}
                 part = {n: outer[n][idx] for n, idx in owned.items()}
                 if f not in outer_states:
                     outer_states[f] = outer_opt.init(part)
@@ -301,13 +311,81 @@ def np_run(
     return np.array(losses), outer, islands
 
 
-def _sent(delta, residual_leaf, idx, compression, error_feedback):
+def np_tokens(speeds, k: int, heff: int, t: int) -> list[float]:
+    """Inner steps each island took in steps max(1, t − H_eff + 1)..t, counted one by one."""
+    speeds = [heff] * k if speeds is None else speeds
+    return [float(sum((j - 1) % heff < speeds[i] for j in range(max(1, t - heff + 1), t + 1))) for i in range(k)]
+
+
+def np_run_delayed(model0: dict, batches: list[np.ndarray], *, k: int, h: int, inner, mode: str,
+                   delay: int = 1, streaming: bool = False, p: int = 1, order: str = "interleaved",
+                   alpha: float = 0.0, outer_opt=None, speeds=None, weighting: str = "uniform",
+                   dropped=None):
+    """Delayed outer updates (`mode` "naive" or "eager"), float64 throughout; returns (per-step
+    island losses, the mean of the islands' outer copies, the islands' outer copies).
+
+    Each island keeps its own outer model and outer optimizer state per fragment. At the
+    r-th sync of fragment f, with Δ_i island i's pseudo-gradient against its own copy and
+    m(r) the (weighted) mean over the islands present, island i steps its copy on
+    naive: m(r − d); eager: e_i·Δ_i(r) + m(r − d) − w_i(r − d)·Δ_i(r − d), where w_i(r) is
+    its weight in m(r) (0 when absent) and e_i its share of all islands' weights; m and
+    w of rounds before the first are 0. Then every island takes its own copy's fragment."""
+    islands = [{n: a.copy() for n, a in model0.items()} for _ in range(k)]
+    states = [inner.init(isl) for isl in islands]
+    outers = [{n: a.copy() for n, a in model0.items()} for _ in range(k)]
+    outer_opt = NpNesterov(0.7, 0.9, None) if outer_opt is None else outer_opt
+    outer_states = [{} for _ in range(k)]
+    history = {}  # (fragment, round) -> (mean, [w_i·Δ_i per island])
+    dh, heff, masks = np_fragments(model0, streaming, h, p, order)
+    losses = []
+    for step_idx, x in enumerate(batches):
+        t = step_idx + 1
+        rows = np.split(x.astype(np.float64), k)
+        step_losses = []
+        for i in range(k):
+            loss, g = np_loss_and_grad(islands[i], rows[i])
+            if speeds is None or (t - 1) % heff < speeds[i]:
+                islands[i], states[i] = inner.step(islands[i], g, states[i])
+            step_losses.append(loss)
+        losses.append(step_losses)
+        if t % dh:
+            continue
+        f, r = (t % heff) // dh, t // heff
+        owned = {n: idx for n, idx in masks(f).items() if idx is not None}
+        deltas = [{n: outers[i][n][idx] - islands[i][n][idx] for n, idx in owned.items()} for i in range(k)]
+        w = np_tokens(speeds, k, heff, t) if weighting == "tokens" else [1.0] * k
+        present = [i for i in range(k) if w[i] > 0 and not (dropped and dropped(t, i))]
+        total = sum(w[i] for i in present)
+        mean = {n: sum(w[i] * deltas[i][n] for i in present) / total if present else 0 * deltas[0][n] for n in owned}
+        shares = [{n: (w[i] / total if i in present else 0.0) * deltas[i][n] for n in owned} for i in range(k)]
+        history[f, r] = (mean, shares)
+        old_mean, old_shares = history.get((f, r - delay), (None, None))
+        for i in range(k):
+            step_on = {}
+            for n in owned:
+                arrived = 0.0 if old_mean is None else old_mean[n] - (old_shares[i][n] if mode == "eager" else 0.0)
+                fresh = w[i] / sum(w) * deltas[i][n] if mode == "eager" else 0.0
+                step_on[n] = fresh + arrived
+            part = {n: outers[i][n][idx] for n, idx in owned.items()}
+            if f not in outer_states[i]:
+                outer_states[i][f] = outer_opt.init(part)
+            new, outer_states[i][f] = outer_opt.step(part, step_on, outer_states[i][f])
+            for n, idx in owned.items():
+                outers[i][n][idx] = new[n]
+                islands[i][n][idx] = outers[i][n][idx] if alpha == 0 else (
+                    alpha * islands[i][n][idx] + (1 - alpha) * outers[i][n][idx])
+    consensus = {n: np.mean([o[n] for o in outers], axis=0) for n in model0}
+    return np.array(losses), consensus, outers
+
+
+def _sent(delta, residual_leaf, idx, compression, error_feedback, decay=1.0):
     """What one island sends for one leaf's part: its pseudo-gradient, quantized (plus the
-    carried error with error feedback, whose new value is written into `residual_leaf`)."""
+    carried error times `decay` with error feedback, whose new value is written into
+    `residual_leaf`)."""
     if compression == "none":
         return delta
     if error_feedback:
-        delta = delta + residual_leaf[idx]
+        delta = delta + decay * residual_leaf[idx]
     q = compression(delta) if callable(compression) else np_quantize(delta, compression)
     if error_feedback:
         residual_leaf[idx] = delta - q
@@ -334,3 +412,35 @@ def np_quantize(x: np.ndarray, fmt: str) -> np.ndarray:
     # nearest level; on a tie the larger one (the last of the minima)
     best = FP4_LEVELS.size - 1 - np.argmin(dist[..., ::-1], axis=-1)
     return np.sign(x32) * FP4_LEVELS[best] * np.float64(s)
+
+
+def np_topk(x: np.ndarray, density: float, chunk: int, bits: int) -> np.ndarray:
+    """What the other islands receive for tensor x from SparseLoCo's chunked top-k, computed
+    without the codec: x (as float32, flattened) in chunks of c = min(chunk, n), the last
+    padded with zeros; in each, the k = max(1, round(density·c)) largest |x| (a stable
+    argsort, so the lower position wins a tie) become the nearest of the 2^bits levels
+    m·(2j − (2^bits − 1))/(2^bits − 1), m their largest |x| (exhaustive search; a tie goes
+    to the even j); everything else is 0."""
+    x32 = np.asarray(x, np.float32)
+    flat = x32.reshape(-1)
+    n = flat.size
+    c = max(1, min(chunk, n))
+    k = max(1, round(density * c))
+    chunks = -(-n // c)
+    rows = np.zeros(chunks * c, np.float32)
+    rows[:n] = flat
+    rows = rows.reshape(chunks, c)
+    top = 2**bits - 1
+    ratios = np.float32(2 * np.arange(top + 1) - top) / np.float32(top)  # float32, as sent
+    out = np.zeros_like(rows)
+    for r, row in enumerate(rows):
+        keep = np.argsort(-np.abs(row), kind="stable")[:k]
+        m = np.max(np.abs(row[keep]))
+        levels = (m * ratios).astype(np.float32)
+        dist = np.abs(row[keep].astype(np.float64)[:, None] - levels.astype(np.float64)[None])
+        best = np.argmin(dist, axis=1)  # the lower j of a tie...
+        upper = np.minimum(best + 1, top)
+        tie = (best < top) & (dist[np.arange(k), upper] == dist[np.arange(k), best])
+        best = np.where(tie & (best % 2 == 1), upper, best)  # ...unless the upper one is even
+        out[r, keep] = levels[best]
+    return out.reshape(-1)[:n].reshape(x32.shape).astype(np.float64)

@@ -24,7 +24,8 @@ import sys
 
 
 ALGORITHM_FLAGS = ("num_replicas", "sync_period", "streaming", "num_fragments", "fragment_order",
-                   "overlap_steps", "alpha", "compression", "error_feedback", "faults")
+                   "overlap_steps", "alpha", "compression", "error_feedback", "faults", "delayed_outer",
+                   "outer_delay", "island_speed", "island_weighting")
 
 
 def defaults():

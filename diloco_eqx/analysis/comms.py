@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -360,17 +361,53 @@ def sync_bytes(fragment_params: int, bytes_per_param: float = 4) -> float:
     return 2 * fragment_params * bytes_per_param
 
 
+def codec_sync_bytes(tensor_sizes: Sequence[int], codec) -> int:
+    """Bytes one island sends per sync of a fragment whose tensors (the leaves the codec
+    encodes one by one) have these sizes, counted from the codec's exact payload in
+    sync_bytes' convention of twice the payload: 2·Σ codec.payload_bytes(n). For "topk"
+    that is the packed values, their indices and the per-chunk scales; for float32 it
+    equals sync_bytes(Σ n, 4). (`bytes_per_param = bits/8`, as a run's log counts fp4,
+    leaves out per-tensor scales and cannot describe a sparse codec.)"""
+    return 2 * sum(codec.payload_bytes(int(n)) for n in tensor_sizes)
+
+
+def codec_index_bytes(tensor_sizes: Sequence[int], codec) -> int:
+    """The part of `codec_sync_bytes` that is indices (where the sent values go; 0 for a
+    dense codec): 2·Σ codec.index_bytes(n)."""
+    return 2 * sum(codec.index_bytes(int(n)) for n in tensor_sizes)
+
+
+def fragment_tensor_sizes(model, cfg) -> list[list[int]]:
+    """Per fragment, the sizes of the tensors a sync of it encodes (its part of each float
+    leaf of `model`, as `Fragmentation.take` cuts it) — what `codec_sync_bytes` takes."""
+    import equinox as eqx
+    import jax
+
+    from diloco_eqx.fragments import Fragmentation
+
+    frags = Fragmentation.from_model(model, cfg)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    return [[int(x.size) for x in jax.tree.leaves(frags.take(params, f))] for f in range(frags.num_fragments)]
+
+
+def syncs_of(t: int, schedule) -> list[int]:
+    """How many times each fragment has been synced after t steps (sync j fires at j·Δh on
+    fragment j mod P)."""
+    p = schedule.num_fragments
+    syncs = max(t, 0) // schedule.steps_between_syncs
+    return [syncs // p + (1 if 0 < f <= syncs % p else 0) for f in range(p)]
+
+
 def bytes_sent(
-    t: int, fragment_params: list[int], schedule=None, bytes_per_param: float = 4
+    t: int, fragment_params: list[int], schedule=None, bytes_per_param: float = 4,
+    *, fragment_bytes: Sequence[float] | None = None,
 ) -> float:
     """Bytes one island has sent after t steps: every step all parameters (DDP, schedule=None),
-    or at each sync of fragment f its own 2·|Θ_f|·b (DiLoCo; one fragment when vanilla)."""
+    or at each sync of fragment f its own 2·|Θ_f|·b (DiLoCo; one fragment when vanilla).
+    `fragment_bytes` (bytes of one sync of each fragment, e.g. `codec_sync_bytes` of its
+    tensors: what a codec's payload really holds) replaces 2·|Θ_f|·b."""
     if schedule is None:
         return t * sync_bytes(sum(fragment_params), bytes_per_param)
-    p = schedule.num_fragments
-    syncs = max(t, 0) // schedule.steps_between_syncs  # sync j fires at j·Δh on fragment j mod P
-    total = 0
-    for f, n_params in enumerate(fragment_params):
-        count = syncs // p + (1 if 0 < f <= syncs % p else 0)
-        total += count * sync_bytes(n_params, bytes_per_param)
-    return total
+    if fragment_bytes is None:
+        fragment_bytes = [sync_bytes(n, bytes_per_param) for n in fragment_params]
+    return sum(count * b for count, b in zip(syncs_of(t, schedule), fragment_bytes))

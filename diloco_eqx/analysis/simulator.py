@@ -11,7 +11,9 @@ A discrete-event model of one worker over a run of steps:
   (1 for the two-worker case);
 - what a transfer blocks: DDP, vanilla DiLoCo and Streaming DiLoCo without overlap block
   the next step until their transfers end; with overlap V >= 1 a fragment synced at step t
-  only blocks step t+V+1 (its apply happens at the end of step t+V).
+  only blocks step t+V+1 (its apply happens at the end of step t+V); with delayed outer
+  updates (`outer_delay` d >= 1 rounds, naive or eager) an exchange started at step t
+  blocks only step t + d·period + 1, the step after the sync that uses it.
 Compute utilization is compute time / wall-clock time, in steady state: a transfer still in
 flight when the simulated steps end counts only the stall it would cause.
 """
@@ -40,6 +42,8 @@ class Method:
     overlap_steps: int = 0
     bits: int = 16
     fragment_order: str = "interleaved"
+    outer_delay: int = 0
+    """Rounds an exchange may stay in flight (delayed_outer naive or eager; 0: none)."""
 
     def __post_init__(self):
         if self.kind not in METHODS:
@@ -48,6 +52,9 @@ class Method:
         check_int("num_fragments (P)", self.num_fragments, low=1)
         check_int("overlap_steps (V)", self.overlap_steps, low=0)
         check_int("bits", self.bits, low=1)
+        check_int("outer_delay", self.outer_delay, low=0)
+        if self.outer_delay and self.kind == "ddp":
+            raise ValueError("outer_delay applies to diloco and streaming methods, not ddp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +131,7 @@ def simulate(workload: Workload, method: Method, bandwidth_gbps: float, latency:
         period = method.sync_period
     steps = steps or max(40, 4 * period)
     done_at = workload.backward_done()
-    delay = method.overlap_steps if method.kind == "streaming" else 0
+    delay = (method.overlap_steps if method.kind == "streaming" else 0) + method.outer_delay * period
     bits_per_param = method.bits * workload.ring_factor
     start, link_free, bits = 0.0, 0.0, 0.0
     due: dict[int, float] = {}  # step index -> time its start must wait for

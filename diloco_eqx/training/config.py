@@ -13,7 +13,7 @@ import dataclasses
 import re
 from typing import Any
 
-from diloco_eqx.config import DiLoCoConfig
+from diloco_eqx.config import DELAYED_OUTER, ISLAND_WEIGHTING, DiLoCoConfig
 from diloco_eqx.islands import registered_backends
 from diloco_eqx.training.trackers import registered_trackers
 from models.transformer import TransformerConfig
@@ -40,6 +40,10 @@ DILOCO_FLAGS: dict[str, dict[str, Any]] = {
     "drop_prob": {"parse": float, "join": lambda v: v[0] if len(v) == 1 else tuple(v),
                   "show": lambda v: list(v) if isinstance(v, tuple) else [v]},
     "fragment_order": {"parse": str},
+    "delayed_outer": {"choices": DELAYED_OUTER},
+    "island_weighting": {"choices": ISLAND_WEIGHTING},
+    "island_speed": {"parse": float, "join": lambda v: v[0] if len(v) == 1 else tuple(v),
+                     "show": lambda v: list(v) if isinstance(v, tuple) else [v]},
 }
 
 

@@ -193,10 +193,18 @@ def describe_step(job: Job) -> Callable[[int], dict[str, Any]]:
     """Per-step fields beside the step's metrics: lr, tokens, bytes sent, next sync."""
     cfg, schedule = job.cfg, job.schedule
     wire = dl.codecs.bits_per_value(cfg.diloco.compression if cfg.mode == "diloco" else "none") / 8
+    sparse, codec = None, cfg.diloco.codec
+    if cfg.mode == "diloco" and codec.index_bytes(cfg.diloco.topk_chunk):  # values, indices, scales
+        sizes = comms.fragment_tensor_sizes(job.model, cfg.diloco)
+        sparse = ([comms.codec_sync_bytes(s, codec) for s in sizes], [comms.codec_index_bytes(s, codec) for s in sizes])
 
     def describe(t: int) -> dict[str, Any]:
         row = {"lr": float(job.lr(t - 1)), "tokens": t * cfg.tokens_per_step,
                "comm_bytes_per_island": comms.bytes_sent(t, job.fragment_params, schedule, wire)}
+        if sparse is not None:
+            row["comm_bytes_per_island"] = comms.bytes_sent(t, job.fragment_params, schedule, fragment_bytes=sparse[0])
+            row["comm_index_bytes_per_island"] = comms.bytes_sent(t, job.fragment_params, schedule,
+                                                                  fragment_bytes=sparse[1])
         if schedule is not None:
             row["outer_lr"] = cfg.diloco.outer_lr
             row["next_sync"] = schedule.next_sync(t)
@@ -354,7 +362,7 @@ def _finish(job: Job, out: Path, meta: dict, final: dict[str, float], primary: b
         "steps": cfg.steps,
         "tokens": cfg.steps * cfg.tokens_per_step,
         "wall_time": steps_rows[-1]["wall_time"] if steps_rows else 0.0,
-        "comm_bytes_per_island": describe_step(job)(cfg.steps)["comm_bytes_per_island"],
+        **{k: v for k, v in describe_step(job)(cfg.steps).items() if k.startswith("comm_")},
     }
     _plot(out)
     write_json(out / "run.json", meta | {"status": "finished", "summary": summary})

@@ -97,6 +97,40 @@ def test_bytes_sent_matches_a_step_by_step_count():
     assert comms.bytes_sent(3, [10, 20]) == 3 * 2 * 30 * 4  # DDP: everything, every step
 
 
+def test_topk_bytes_count_values_indices_and_scales():
+    """SparseLoCo's payload, counted by hand: TopK(0.03, 4096, 2) on a 10000-value tensor
+    is 3 chunks of k = round(122.88) = 123: ceil(369·2/8) = 93 code bytes, 2·369 = 738
+    index bytes, 3·4 scale bytes; on a 64-value one c = 64, k = round(1.92) = 2: 1 + 4 + 4."""
+    import diloco_eqx as dl
+    from diloco_eqx import codecs
+    from tests.reference import make_toy
+
+    topk = codecs.TopK(0.03, 4096, 2)
+    assert comms.codec_sync_bytes([10000, 64], topk) == 2 * ((93 + 738 + 12) + (1 + 4 + 4)) == 1704
+    assert comms.codec_index_bytes([10000, 64], topk) == 2 * (738 + 4) == 1484
+    # vanilla H = 30: 10 syncs in 300 steps (none yet at 29)
+    sched = dl.Schedule(30)
+    assert comms.bytes_sent(300, [10064], sched, fragment_bytes=[1704]) == 17040
+    assert comms.bytes_sent(29, [10064], sched, fragment_bytes=[1704]) == 0
+    # dense codecs: float32 is sync_bytes exactly; fp4's payload adds its 4-byte scale per
+    # tensor to the n/2 bytes that bits_per_value counts
+    assert comms.codec_sync_bytes([10000, 64], codecs.Float32()) == comms.sync_bytes(10064, 4)
+    assert comms.codec_sync_bytes([10000, 63], codecs.Float4()) == 2 * (5000 + 4 + 32 + 4)
+    assert comms.codec_index_bytes([10000], codecs.Float4()) == 0
+    # the tensors a sync encodes: the toy's float leaves (embed 3, w 4×3, b 4×3, head 3),
+    # streaming P = 3 (interleaved): embed and head, then layers {0, 2} and {1, 3} of w and b
+    toy = make_toy(4, 3)
+    assert comms.fragment_tensor_sizes(toy, dl.DiLoCoConfig()) == [[3, 12, 12, 3]]
+    cfg = dl.DiLoCoConfig(streaming=True, num_fragments=3, sync_period=6)
+    sizes = comms.fragment_tensor_sizes(toy, cfg)
+    assert sizes == [[3, 3], [6, 6], [6, 6]]
+    # Δh = 2: after 12 steps fragments 1, 2, 0, 1, 2, 0 synced twice each
+    per = [comms.codec_sync_bytes(s, topk) for s in sizes]
+    assert comms.bytes_sent(12, [6, 12, 12], cfg.schedule, fragment_bytes=per) == 2 * sum(per)
+    assert comms.bytes_sent(12, [6, 12, 12], cfg.schedule, fragment_bytes=[2 * 4 * n for n in (6, 12, 12)]) \
+        == comms.bytes_sent(12, [6, 12, 12], cfg.schedule)
+
+
 @pytest.mark.parametrize("line,size", [
     ("%a = f32[4] all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%r", 2),
     ("%a = f32[4] all-reduce(%x), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%r", 4),

@@ -93,3 +93,18 @@ def test_table4_within_a_factor_of_two_of_the_paper():
         assert PAPER_95[name] / 2 <= ours <= PAPER_95[name] * 2, (name, ours)
     # and the ordering the paper reports
     assert table["ddp"] > table["diloco"] > table["streaming"] > table["overlap"] > table["fp4"]
+
+
+def test_delayed_outer_update_hides_a_transfer_shorter_than_a_round():
+    # Vanilla H=50 (a round is 5 s of compute), one 1e9-parameter layer at 16 bits: at 5 Gbit/s
+    # a sync's transfer takes 3.2 s. Blocking, every round stalls 3.2 s; with the exchange in
+    # flight for one round (eager / naive delayed updates) it is needed only at the next sync,
+    # 5 s later, so nothing stalls; at 2.5 Gbit/s (6.4 s) it no longer fits and stalls.
+    w = Workload((10**9,), T)
+    blocking = simulate(w, Method("diloco", sync_period=50), 5.0, steps=200)
+    delayed = simulate(w, Method("diloco", sync_period=50, outer_delay=1), 5.0, steps=200)
+    assert blocking.utilization == pytest.approx(5.0 / (5.0 + 3.2))
+    assert delayed.utilization == pytest.approx(1.0) and delayed.bits_sent == blocking.bits_sent
+    assert simulate(w, Method("diloco", sync_period=50, outer_delay=1), 2.5, steps=200).utilization < 0.95
+    with pytest.raises(ValueError, match="outer_delay applies to diloco and streaming"):
+        Method("ddp", outer_delay=1)

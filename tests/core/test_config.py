@@ -22,6 +22,15 @@ ERRORS = [
     (dict(outer_momentum=-0.5), r"outer_momentum \(β\)"),
     (dict(streaming=True, fragment_order="zigzag"), r"fragment_order must be one of \('interleaved', 'sequential'.*got 'zigzag'"),
     (dict(streaming="yes"), r"streaming must be True or False"),
+    (dict(error_decay=1.5, error_feedback=True, compression="topk"), r"error_decay must be a number in \[0, 1\]; got 1.5"),
+    (dict(error_decay=-0.1, error_feedback=True, compression="topk"), r"error_decay must be a number in \[0, 1\]"),
+    (dict(topk_density=0.0), r"topk_density must be a number in \(0, 1\]; got 0.0"),
+    (dict(topk_density=1.5), r"topk_density must be a number in \(0, 1\]"),
+    (dict(topk_chunk=0), r"topk_chunk must be an integer in 1..65536 .*; got 0"),
+    (dict(topk_chunk=65537), r"topk_chunk must be an integer in 1..65536 .*; got 65537"),
+    (dict(topk_chunk=64.0), r"topk_chunk must be an integer"),
+    (dict(topk_bits=3), r"topk_bits must be one of \(1, 2, 4, 8\); got 3"),
+    (dict(topk_bits=True), r"topk_bits must be one of \(1, 2, 4, 8\); got True"),
 ]
 
 
@@ -41,6 +50,14 @@ def test_v_or_alpha_without_streaming_warns(kwargs):
     with pytest.warns(UserWarning, match=r"overlap_steps \(V\).*alpha \(α\).*no effect with streaming=False"):
         cfg = dl.DiLoCoConfig(**kwargs)
     assert dl.Schedule.from_config(cfg).overlap_steps == 0
+
+
+def test_error_decay_without_error_feedback_warns():
+    with pytest.warns(UserWarning, match=r"error_decay=0.9 has no effect with error_feedback=False"):
+        dl.DiLoCoConfig(compression="topk", error_decay=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dl.DiLoCoConfig(compression="topk", error_feedback=True, error_decay=0.9)
 
 
 def test_defaults_do_not_warn():

@@ -68,3 +68,24 @@ def test_one_seed_reports_no_spread_instead_of_nan():
     two = sweep_overlap.analyse(rows + [{"alpha": 0.0, "overlap_steps": 0, "eval_loss": 2.2}])
     assert two["max_seed_spread_pct"] == pytest.approx(100 * 0.2 / 2.1)
     assert sweep_overlap.spread_line(two["max_seed_spread_pct"]) == "largest seed spread: 9.52% of the loss"
+
+
+def test_topk_bytes_are_counted_from_the_payload():
+    """A topk run's bytes, tensor by tensor, against a hand count. The TINY model's float
+    leaves: embed, head and the two MLP matrices 8192 each, position 1024, attention
+    qkv 2·32·96 = 6144 and out 2048, two norms of 2·32 = 64 and a final one of 32. With
+    density 1%, chunks of 1024 and 2 bits: 8192 -> 8 chunks of k = 10 (20 code bytes, 160
+    index bytes, 8 scales) = 212; 1024 -> 3 + 20 + 4 = 27; 6144 -> 15 + 120 + 24 = 159;
+    2048 -> 5 + 40 + 8 = 53; 64 and 32 -> k = 1: 1 + 2 + 4 = 7."""
+    from diloco_eqx.training import runner
+    from experiments.train import parse_settings
+
+    flags = [*TINY, "--no-streaming", "--compression", "topk", "--error-feedback",
+             "--topk-density", "0.01", "--topk-chunk", "1024", "--topk-bits", "2"]
+    job = runner.build(parse_settings(flags))
+    payload = 4 * 212 + 27 + 159 + 53 + 3 * 7
+    indices = 4 * 160 + 20 + 120 + 40 + 3 * 2
+    assert (payload, indices) == (1108, 826)
+    # 8 steps, H = 4: two syncs of twice the payload (comms.sync_bytes' convention)
+    row = runner.describe_step(job)(8)
+    assert (row["comm_bytes_per_island"], row["comm_index_bytes_per_island"]) == (2 * 2 * payload, 2 * 2 * indices)

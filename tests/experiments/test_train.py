@@ -87,7 +87,7 @@ def test_islands_of_data_2_by_fsdp_2_train_like_one_device(tmp_path):
     (["--corpus", "{empty}/*.txt"], "is empty"),
     (["--corpus", "markov", "doc_bytes=20000", "--seq-len", "30000"],
      "seq_len=30000 leaves 0 windows"),
-    (["--compression", "int4"], "compression must be one of ('none', 'bf16', 'fp8', 'fp4')"),
+    (["--compression", "int4"], "compression must be one of ('none', 'bf16', 'fp8', 'fp4', 'topk')"),
     (["--drops", "7:0"], "drops step 7 is not a sync step"),
     (["--drop-prob", "0.1", "0.2", "0.3"], "drop_prob needs one value per island (K=2); got 3"),
 ])
@@ -289,3 +289,24 @@ def test_backend_flag_and_switching_backend_on_resume(tmp_path):
         for key in ("loss_island_0", "loss_island_1", "eval_loss"):
             if key in b:
                 assert a[key] == pytest.approx(b[key], rel=2e-5)
+
+
+@pytest.mark.slow  # end to end: two training runs
+@pytest.mark.parametrize("variant", [
+    ["--no-streaming", "--sync-period", "3", "--delayed-outer", "eager", "--outer-delay", "2"],
+    ["--sync-period", "4", "--num-fragments", "2", "--island-speed", "1", "0.5", "--island-weighting", "tokens"],
+])
+def test_variant_runs_resume_exactly(tmp_path, variant, capsys):
+    """Eager updates (per-island outer copies and exchanges in flight) and heterogeneous
+    islands through the CLI: resumed from the step-6 checkpoint, every loss repeats."""
+    args = TINY + ["--steps", "12", "--eval-every", "6", "--checkpoint-every", "6", *variant]
+    full = tmp_path / "full"
+    assert train.main(args + ["--out", str(full)]) == 0
+    cut = tmp_path / "cut"
+    shutil.copytree(full, cut)
+    shutil.rmtree(cut / "checkpoints" / "12")
+    capsys.readouterr()
+    assert train.main(args + ["--out", str(cut), "--resume"]) == 0
+    assert "at step 6" in capsys.readouterr().err
+    _same_losses(rows(cut), rows(full))
+    assert [r["step"] for r in rows(cut) if not r.get("eval")] == list(range(1, 13))

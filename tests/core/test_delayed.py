@@ -1,0 +1,129 @@
+"""Delayed outer updates (naive and eager): the step against the NumPy reference's own
+per-island reading of the rule, the rule on hand-worked numbers, and the knobs' errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from diloco_eqx import delayed
+from tests.helpers import N_LAYERS, WIDTH, batches
+from tests.reference import NpAdamW, NpNesterov, make_toy, np_run_delayed, toy_loss, toy_to_numpy
+
+CASES = {
+    "naive": dict(delayed_outer="naive"),
+    "eager": dict(delayed_outer="eager"),
+    "eager_d2": dict(delayed_outer="eager", outer_delay=2),
+    "eager_streaming": dict(delayed_outer="eager", streaming=True, num_fragments=3, alpha=0.5),
+    "eager_tokens_drop": dict(delayed_outer="eager", island_speed=(1.0, 0.5, 1.0, 0.25), island_weighting="tokens",
+                              drops=((6, 2),)),
+}
+
+
+def run(cfg, data, inner):
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
+    return np.array(losses), state, step
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_matches_reference(case):
+    """AdamW islands, Nesterov outer copies: losses, the evaluated model (the islands'
+    mean) and every island's own outer copy equal the reference's."""
+    k = 4 if "drop" in case else 2
+    cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=3, **CASES[case])
+    data = batches(12)
+    losses, state, step = run(cfg, data, optax.adamw(0.02, weight_decay=1e-4))
+    dropped = (lambda t, i: (t, i) in cfg.drops) if cfg.drops else None
+    ref_losses, ref_mean, ref_outers = np_run_delayed(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=k, h=3, inner=NpAdamW(0.02), mode=cfg.delayed_outer,
+        delay=cfg.outer_delay, streaming=cfg.streaming, p=cfg.num_fragments, alpha=cfg.alpha,
+        outer_opt=NpNesterov(0.7, 0.9), speeds=cfg.island_steps, weighting=cfg.island_weighting, dropped=dropped)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    for n, got in toy_to_numpy(step.outer_model(state)).items():
+        np.testing.assert_allclose(got, ref_mean[n], rtol=2e-5, atol=2e-5)
+    copies = toy_to_numpy(state.island_outer.params)  # leaves with an island axis
+    for i in range(k):
+        for n, got in copies.items():
+            np.testing.assert_allclose(got[i], ref_outers[i][n], rtol=2e-5, atol=2e-5)
+
+
+def test_modes_differ_and_eager_copies_drift_apart():
+    """The comparison above is not vacuous: none, naive and eager give different losses;
+    naive islands keep identical outer copies, eager ones do not."""
+    data, inner = batches(9), optax.sgd(0.05)
+    got = {}
+    for mode in ("none", "naive", "eager"):
+        losses, state, _ = run(dl.DiLoCoConfig(num_replicas=2, sync_period=3, delayed_outer=mode), data, inner)
+        got[mode] = losses
+        if mode != "none":
+            w = np.asarray(state.island_outer.params.layers.w)
+            assert (np.array_equal(w[0], w[1])) == (mode == "naive")
+    assert not np.allclose(got["none"][3:], got["naive"][3:], rtol=1e-4)
+    assert not np.allclose(got["naive"][3:], got["eager"][3:], rtol=1e-4)
+    # until the first sync every mode is the same inner training
+    np.testing.assert_array_equal(got["none"][:3], got["eager"][:3])
+
+
+def test_the_rule_on_numbers_worked_by_hand():
+    """K = 2, island 0 of a scalar fragment: fresh Δ_0 = 0.4 at round r, the mean of round
+    r − 1 was 0.3 with island 0's share 0.5·0.2 = 0.1 of it, so eager steps on
+    0.5·0.4 + 0.3 − 0.1 = 0.4 and naive on 0.3; what stays in flight from a mean 0.5 is
+    0.5 − 0.5·0.4 = 0.3 (eager) or 0.5 (naive)."""
+    fresh, half = jnp.array(0.4), jnp.array(0.5)
+    arrived_eager = jnp.array(0.3 - 0.1)
+    assert float(delayed.outer_delta("eager", fresh, half, arrived_eager)) == pytest.approx(0.4)
+    assert float(delayed.outer_delta("naive", fresh, half, jnp.array(0.3))) == pytest.approx(0.3)
+    assert float(delayed.in_flight_part("eager", jnp.array(0.5), fresh, half)) == pytest.approx(0.3)
+    assert float(delayed.in_flight_part("naive", jnp.array(0.5), fresh, half)) == pytest.approx(0.5)
+
+
+def test_slots_cycle_over_rounds():
+    sched = dl.DiLoCoConfig(sync_period=4, streaming=True, num_fragments=2).schedule  # H_eff 4
+    assert [int(delayed.slot(sched, 2, t)) for t in (2, 4, 6, 8, 10, 12)] == [0, 1, 1, 0, 0, 1]
+
+
+def test_knob_errors_are_named():
+    with pytest.raises(ValueError, match=r"delayed_outer must be one of \('none', 'naive', 'eager'\); got 'lazy'"):
+        dl.DiLoCoConfig(delayed_outer="lazy")
+    with pytest.raises(ValueError, match=r"outer_delay must be an integer >= 1"):
+        dl.DiLoCoConfig(delayed_outer="eager", outer_delay=0)
+    with pytest.raises(ValueError, match=r"delayed_outer='eager' needs overlap_steps \(V\) = 0"):
+        dl.DiLoCoConfig(delayed_outer="eager", streaming=True, num_fragments=2, sync_period=4, overlap_steps=1)
+    with pytest.raises(ValueError, match=r"delayed_outer='naive' supports compression='none' only"):
+        dl.DiLoCoConfig(delayed_outer="naive", compression="fp4")
+
+
+def test_stored_outer_is_not_the_model_to_evaluate():
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, delayed_outer="eager")
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.1), cfg)
+    with pytest.raises(RuntimeError, match=r"delayed_outer naive or eager .* train_step.outer_model"):
+        state.outer_model
+    other = dl.make_train_step(dl.DiLoCoConfig(num_replicas=2, sync_period=3), toy_loss, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="delayed_outer: the state was made for a different"):
+        other(state, batches(1)[0])
+
+
+@pytest.mark.parametrize("where", ["mesh2", "drjax"])
+def test_same_numbers_on_a_mesh_and_on_drjax(where):
+    """Eager, token-weighted, streaming: islands on 2 device slices (the sums cross devices)
+    or the drjax backend give the numbers of the single-device run."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=4, streaming=True, num_fragments=2, delayed_outer="eager",
+                          island_speed=(1.0, 0.5), island_weighting="tokens")
+    inner, data = optax.adamw(0.02, weight_decay=1e-4), batches(8)
+    base, base_state, base_step = run(cfg, data, inner)
+    mesh = dl.make_mesh(2) if where == "mesh2" else None
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, mesh)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, backend="drjax" if where == "drjax" else "shard_map")
+    losses = []
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m["loss_island_0"], m["loss_island_1"]])
+    np.testing.assert_allclose(np.array(losses), base, rtol=1e-6)
+    for n, got in toy_to_numpy(step.outer_model(state)).items():
+        np.testing.assert_allclose(got, toy_to_numpy(base_step.outer_model(base_state))[n], rtol=1e-6, atol=1e-7)
