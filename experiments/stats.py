@@ -38,8 +38,11 @@ def paired(a: Mapping[int, float], b: Mapping[int, float], level: float = 0.95) 
             "diff_pct": 100 * mean / ref, "lo_pct": 100 * (mean - half) / ref, "hi_pct": 100 * (mean + half) / ref}
 
 
-def verdict(p: Mapping[str, float]) -> str:
-    """For the claim "a is lower than b" from `paired(a, b)`."""
+def verdict(p: Mapping[str, float], margin_pct: float = 0.0) -> str:
+    """For the claim "a is lower than b" from `paired(a, b)`; with `margin_pct`, the claim
+    "a is at most margin_pct % above b" (parity within a margin)."""
+    if margin_pct:
+        return "holding" if p["hi_pct"] < margin_pct else "contradicted" if p["lo_pct"] > margin_pct else "unresolved"
     if p["hi"] < 0:
         return "holding"
     if p["lo"] > 0:

@@ -8,7 +8,8 @@ Every grid point is one `python -m experiments.train` process with the base flag
 `--`) plus the point's knobs (`name=value` -> `--name value`; true/false for on/off flags),
 writing into OUT/<point>. A point whose run.json says "finished" is skipped; one that was
 interrupted resumes from its last checkpoint. OUT/summary.csv and OUT/summary.jsonl hold
-one row per point: its knobs, final held-out loss, tokens and wall time.
+one row per point: its knobs, final held-out loss, tokens, bytes sent per island (with a
+sparse codec, the indices' share beside them) and wall time.
 """
 
 from __future__ import annotations
@@ -139,11 +140,11 @@ def summarize(out: Path, grid: Mapping[str, Sequence[Any]]) -> list[dict[str, An
         if status(run_dir) != "finished":
             continue
         summary = json.loads((run_dir / "run.json").read_text())["summary"]
+        comm = {k: v for k, v in summary.items() if k.startswith("comm_")}
         rows.append({**point, "eval_loss": summary["eval_loss"],
                      **{k: v for k, v in summary.items() if k.startswith("eval_loss_")},
                      "final_train_loss": summary["final_train_loss"], "tokens": summary["tokens"],
-                     "comm_bytes_per_island": summary.get("comm_bytes_per_island"),
-                     "wall_time": summary["wall_time"], "run": run_dir.name})
+                     **comm, "wall_time": summary["wall_time"], "run": run_dir.name})
     if rows:
         fields = list(dict.fromkeys(k for r in rows for k in r))
         with open(out / "summary.csv", "w", newline="") as fh:

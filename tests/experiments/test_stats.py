@@ -29,3 +29,13 @@ def test_paired_t_interval_by_hand():
     assert paired({0: 1.0}, {0: 2.0})["hi"] == math.inf
     with pytest.raises(ValueError, match="share no seed"):
         paired({0: 1.0}, {1: 1.0})
+
+
+def test_parity_within_a_margin():
+    # a 5.5% [4.7, 6.3]% above b (the case above): within 10% holds, within 3% is contradicted,
+    # within 5% is unresolved (the interval straddles it)
+    p = paired({0: 1.1, 1: 2.11, 2: 3.12}, {0: 1.0, 1: 2.0, 2: 3.0})
+    assert p["lo_pct"] < 5.0 < p["hi_pct"] < 10.0 and p["lo_pct"] > 3.0
+    assert verdict(p, margin_pct=10.0) == "holding"
+    assert verdict(p, margin_pct=3.0) == "contradicted"
+    assert verdict(p, margin_pct=5.0) == "unresolved"
