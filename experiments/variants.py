@@ -159,7 +159,7 @@ def plot(study: Study, out: Path, rows: list[dict], result: dict) -> Path:
         right.set_xlabel("bytes sent per island (whole run)")
     else:
         right.set_xticks(range(len(by_method)), list(by_method), rotation=20, fontsize=7)
-    right.set_ylabel("final held-out loss (mean ± std, dots: seeds)")
+    right.set_ylabel("final held-out loss (mean ± std" + (")" if study.loss_vs_bytes else ", dots: seeds)"))
     right.grid(alpha=0.3)
     fig.suptitle(study.title.format(steps=study.steps, seeds=len(study.seeds)), fontsize=9)
     fig.tight_layout()

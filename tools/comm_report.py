@@ -25,7 +25,8 @@ import sys
 
 ALGORITHM_FLAGS = ("num_replicas", "sync_period", "streaming", "num_fragments", "fragment_order",
                    "overlap_steps", "alpha", "compression", "error_feedback", "faults", "delayed_outer",
-                   "outer_delay", "island_speed", "island_weighting")
+                   "outer_delay", "island_speed", "island_weighting", "error_decay", "topk_density",
+                   "topk_chunk", "topk_bits")
 
 
 def defaults():
@@ -120,6 +121,9 @@ def measure(args: argparse.Namespace) -> dict:
     vanilla = comms.fragment_payload_bytes(_step_hlo(vanilla_cfg, *shape, args.backend), 1, mesh)[0]
     ddp = comms.every_step_payload_bytes(_ddp_hlo(k, *shape), mesh)
     b = compression.bits_per_value(cfg.compression) / 8
+    formula = [2 * p * b for p in frag_params]
+    if cfg.codec.index_bytes(cfg.topk_chunk):  # sparse: 2 × the payload (values, indices, scales)
+        formula = [comms.codec_sync_bytes(s, cfg.codec) for s in comms.fragment_tensor_sizes(_model(*shape[:4]), cfg)]
     num_params = sum(frag_params)
     return {
         "config": {"num_replicas": k, "devices": d, "data_parallel": n, "fsdp": m, "backend": args.backend,
@@ -140,7 +144,7 @@ def measure(args: argparse.Namespace) -> dict:
                 "collective_bytes_per_device": per_device[f] // islands_per_slice,
                 "inside_island_bytes_per_device": inside[f],
                 "ring_bytes": ring[f] * per_island,
-                "formula_bytes": 2 * p * b,
+                "formula_bytes": formula[f],
                 "control_bytes": control[f] // islands_per_slice,
             }
             for f, p in enumerate(frag_params)

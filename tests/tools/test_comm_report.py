@@ -84,3 +84,23 @@ def test_island_mesh_bytes(data, fsdp):
 def test_island_mesh_flags_are_checked(capsys):
     assert comm_report.main(SMALL + ["--data-parallel", "3"]) == 2
     assert "--data-parallel=3 must divide each island's batch" in capsys.readouterr().err
+
+
+def test_topk_payload_measured_in_the_hlo_is_the_codecs_count():
+    """SparseLoCo's all-gather, read out of the compiled step: each island's payload is
+    exactly the codec's values + indices + scales for its tensors, and the formula column is
+    twice that (the convention 2|Θ_f|b follows for dense codecs)."""
+    from diloco_eqx import codecs
+    from diloco_eqx.analysis import comms
+
+    r = report("--no-streaming", "--compression", "topk", "--error-feedback", "--topk-density", "0.01",
+               "--topk-chunk", "1024")
+    (f,) = r["fragments"]
+    # vanilla tensors: embed 8192, position 512, final norm 32, head 8192; the stack's two
+    # norms 2 × 32 each, qkv 6144, out 2048, MLP 2 × 8192 (sizes summing to TOTAL)
+    sizes = [8192, 512, 32, 8192, 64, 64, 6144, 2048, 8192, 8192]
+    codec = codecs.TopK(0.01, 1024, 2)
+    assert sum(sizes) == TOTAL
+    assert f["collective_bytes"] == sum(codec.payload_bytes(n) for n in sizes) == f["formula_bytes"] / 2
+    assert sum(codec.index_bytes(n) for n in sizes) > 0.7 * f["collective_bytes"]  # mostly positions
+    assert comms.codec_sync_bytes(sizes, codec) == f["formula_bytes"]
