@@ -93,3 +93,18 @@ def test_heterogeneous_quick(tmp_path):
     assert int(rows["dropped"]["tokens_trained"]) == tokens // 2
     assert int(rows["equal"]["tokens_trained"]) == tokens
     assert (tmp_path / "heterogeneous.png").stat().st_size > 10_000
+
+
+def test_sparseloco_quick(tmp_path):
+    from experiments import sparseloco
+
+    assert sparseloco.main(["--out", str(tmp_path), "--quick", "--parallel", "2"]) == 0
+    rows = _summary(tmp_path)
+    assert set(rows) == {"diloco", "fp4", "sparseloco_0.01", "sparseloco_0.03", "sparseloco_0.1"}
+    sent = {m: float(r["comm_bytes_per_island"]) for m, r in rows.items()}
+    # fewer bytes at lower density, all far below fp4 and float32; indices are most of them
+    assert sent["sparseloco_0.01"] < sent["sparseloco_0.03"] < sent["sparseloco_0.1"] < sent["fp4"] < sent["diloco"]
+    assert float(rows["sparseloco_0.03"]["comm_index_bytes_per_island"]) > 0.7 * sent["sparseloco_0.03"]
+    assert float(rows["diloco"]["comm_index_bytes_per_island"]) == 0
+    assert len(json.loads((tmp_path / "sparseloco.json").read_text())["comparisons"]) == 5
+    assert (tmp_path / "sparseloco.png").stat().st_size > 10_000
