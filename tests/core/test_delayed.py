@@ -109,6 +109,7 @@ def test_stored_outer_is_not_the_model_to_evaluate():
         other(state, batches(1)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["mesh2", "drjax"])
 def test_same_numbers_on_a_mesh_and_on_drjax(where):
     """Eager, token-weighted, streaming: islands on 2 device slices (the sums cross devices)

@@ -49,8 +49,10 @@ CONFIGS = {
     "bfloat16_islands": ({**STREAMING, "overlap_steps": 1, "alpha": 0.5}, "sgd", "bfloat16"),
 }
 GRID = [(m, c) for c in CONFIGS for m in MESHES]
-# the fast run: every config once, on meshes in turn (each mesh three times)
-FAST = {(list(MESHES)[i % len(MESHES)], c) for i, c in enumerate(CONFIGS)}
+# the fast run: every config once, on meshes in turn, leaving out the 8-device island mesh
+# (the slowest to compile; the island-mesh tests and the slow grid cover it)
+_FAST_MESHES = [m for m in MESHES if m != "2x2datax2fsdp"]
+FAST = {(_FAST_MESHES[i % len(_FAST_MESHES)], c) for i, c in enumerate(CONFIGS)}
 INNER = {"sgd": (lambda: optax.sgd(0.05), lambda dt: NpSGD(0.05, dt)),
          "adamw": (lambda: optax.adamw(0.01, weight_decay=1e-4), lambda dt: NpAdamW(0.01))}
 DTYPES = {"float32": (jnp.float32, None), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16)}

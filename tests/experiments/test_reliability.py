@@ -89,6 +89,7 @@ def _truncate_arrays(ckpt):
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
 
 
+@pytest.mark.slow  # end to end: a training run and its resume
 def test_damaged_checkpoint_is_passed_over_on_resume(tmp_path, capsys):
     """The latest checkpoint truncated: --resume says so, sets it aside, continues from the one
     before with the same numbers; every checkpoint damaged: a clear error, exit 2."""

@@ -33,7 +33,7 @@ def test_float32_bytes_are_the_parameter_bytes():
         assert f["formula_bytes"] == 2 * f["param_bytes"]
 
 
-@pytest.mark.parametrize("vanilla", [False, True])
+@pytest.mark.parametrize("vanilla", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_compressed_bytes(vanilla):
     flags = ["--no-streaming"] if vanilla else ["--num-fragments", "3"]
     f32 = report(*flags)["fragments"]

@@ -156,6 +156,7 @@ def train_tiny(out: Path, *extra: str) -> list[dict]:
     return records
 
 
+@pytest.mark.slow  # end to end: a training run
 def test_real_run_reaches_every_tracker(tmp_path):
     records = train_tiny(tmp_path)
     check_tensorboard(tmp_path, records)
