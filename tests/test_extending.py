@@ -117,6 +117,7 @@ def test_both_through_the_training_cli(tmp_path):
     assert settings["compression"] == "int8" and settings["faults"] == ["island1_down"]
 
 
+@pytest.mark.slow  # compiles two steps on a 2-device mesh; the CLI test runs both in the fast set
 def test_both_through_the_comm_report():
     from tools import comm_report
 

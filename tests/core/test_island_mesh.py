@@ -166,7 +166,8 @@ def test_memory_per_device(mesh_name):
     assert diloco["temp_bytes"] <= 1.02 * plain["temp_bytes"]
 
 
-@pytest.mark.parametrize("mesh_name,config", [("2x2data", "v1_alpha05"), ("2x2datax2fsdp", "vanilla"),
+@pytest.mark.parametrize("mesh_name,config", [("2x2data", "v1_alpha05"),
+                                              pytest.param("2x2datax2fsdp", "vanilla", marks=pytest.mark.slow),
                                               pytest.param("2x2data", "vanilla", marks=pytest.mark.slow),
                                               pytest.param("2x2datax2fsdp", "v1_alpha05", marks=pytest.mark.slow)])
 def test_steps_without_an_event_communicate_and_copy_like_plain_training(mesh_name, config):

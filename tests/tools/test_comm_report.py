@@ -64,7 +64,8 @@ def test_bad_knob_is_a_clear_error(capsys):
 
 
 @pytest.mark.parametrize("data,fsdp", [pytest.param(2, 1, marks=pytest.mark.slow),
-                                       pytest.param(1, 2, marks=pytest.mark.slow), (2, 2)])
+                                       pytest.param(1, 2, marks=pytest.mark.slow),
+                                       pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_island_mesh_bytes(data, fsdp):
     """Islands of data × fsdp devices: each island still sends each fragment once per sync
     (the outer copy is split over its devices, each sending its piece), so the per-island
