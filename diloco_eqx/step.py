@@ -355,13 +355,14 @@ def sync_fragment_delayed(plan: Plan, f: int, t, inner, island_outer: delayed_li
         expected = w / jnp.sum(jnp.asarray(_all_weights(plan, t)))
         fresh = jax.tree.map(lambda d: sync._per_island(finite, d, 0.0), deltas)
         j = delayed_lib.slot(plan.schedule, cfg.outer_delay, t)
-        arrived = islands.map(lambda u: take(u, f), delayed_lib.read_slot(island_outer.in_flight, j))
+        slot_now = delayed_lib.read_slot(island_outer.in_flight, j)
+        arrived = islands.map(lambda u: take(u, f), slot_now)
         mode = cfg.delayed_outer
         step_on = islands.map(partial(delayed_lib.outer_delta, mode), fresh, expected, arrived)
         u = islands.map(lambda d, sh: delayed_lib.in_flight_part(mode, mean, d, sh), fresh, share)
         opt = island_outer.opt_state[f]
         new_outer, new_opt, update = islands.map(partial(sync.outer_step, plan.outer_optimizer), step_on, opt, own_outer)
-        slot_j = islands.map(lambda all_u, uf: put(all_u, f, uf), delayed_lib.read_slot(island_outer.in_flight, j), u)
+        slot_j = islands.map(lambda all_u, uf: put(all_u, f, uf), slot_now, u)
         report = SyncMetrics(sync.tree_norm(mean), islands.mean(islands.map(sync.tree_norm, update)), count, None)
         return delayed_lib.IslandOuter(
             islands.map(lambda o, n: put(o, f, n), island_outer.params, new_outer),

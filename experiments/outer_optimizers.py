@@ -16,7 +16,6 @@ OUT/outer_optimizers.png. Interrupted runs resume; finished ones are skipped.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from experiments.stats import describe, paired, verdict
 from experiments.sweep import run_jobs, status
+from experiments.variants import write_csv
 
 MODEL = ["--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "64", "--global-batch", "8"]
 FULL = {"K": [1, 2, 4], "lr": [0.3, 0.5, 0.7, 1.0], "momentum": [0.0, 0.8, 0.9], "adam_lr": [0.03, 0.1],
@@ -60,16 +60,8 @@ def summarize(out: Path, runs: list[tuple[str, dict, list[str]]]) -> list[dict]:
         rows.append({**knobs, "eval_loss": summary["eval_loss"], "tokens": summary["tokens"],
                      "comm_bytes_per_island": summary["comm_bytes_per_island"],
                      "wall_time": round(summary["wall_time"], 1), "run": name})
-    _write_csv(out / "summary.csv", rows)
+    write_csv(out / "summary.csv", rows)
     return rows
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    if rows:
-        with open(path, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, list(dict.fromkeys(k for r in rows for k in r)))
-            writer.writeheader()
-            writer.writerows(rows)
 
 
 def setting(r: dict) -> tuple:
@@ -158,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     result = analyse(rows)
-    _write_csv(out / "points.csv", result["points"])
+    write_csv(out / "points.csv", result["points"])
     (out / "outer_optimizers.json").write_text(json.dumps(result, indent=1))
     title = (f"vanilla DiLoCo H=30, 2L×64 byte LM, {grid['steps']} steps × 8 × 64 bytes; "
              f"{len(grid['seeds'])} seed(s): line = mean, band = ± std")

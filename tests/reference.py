@@ -261,15 +261,8 @@ def np_run(
     dh, heff, masks = np_fragments(model0, streaming, h, p, order)
     losses, contributed, resets = [], [], []
     for step_idx, x in enumerate(batches):
-        rows = np.split(x.astype(np.float64), k)
-        step_losses = []
         t = step_idx + 1
-        for i in range(k):
-            loss, g = np_loss_and_grad(islands[i], rows[i])
-            if speeds is None or (t - 1) % heff < speeds[i]:
-                islands[i], states[i] = inner.step(islands[i], g, states[i])
-            step_losses.append(loss)
-        losses.append(step_losses)
+        losses.append(_inner_steps(islands, states, inner, x, t, heff, speeds))
         # with V >= 1 a reset island takes the outer model without this step's sync
         reset_from = {n: o.copy() for n, o in outer.items()} if streaming and v else outer
         if t > 0 and t % dh == 0:  # sync
@@ -311,6 +304,18 @@ def np_run(
     return np.array(losses), outer, islands
 
 
+def _inner_steps(islands, states, inner, x, t: int, heff: int, speeds) -> list[float]:
+    """Step t's inner step on every island (in place), island i on the i-th block of x's rows;
+    with `speeds`, island i idles unless (t − 1) mod H_eff < speeds[i]. Returns the losses."""
+    losses = []
+    for i, rows in enumerate(np.split(x.astype(np.float64), len(islands))):
+        loss, g = np_loss_and_grad(islands[i], rows)
+        if speeds is None or (t - 1) % heff < speeds[i]:
+            islands[i], states[i] = inner.step(islands[i], g, states[i])
+        losses.append(loss)
+    return losses
+
+
 def np_tokens(speeds, k: int, heff: int, t: int) -> list[float]:
     """Inner steps each island took in steps max(1, t − H_eff + 1)..t, counted one by one."""
     speeds = [heff] * k if speeds is None else speeds
@@ -340,14 +345,7 @@ def np_run_delayed(model0: dict, batches: list[np.ndarray], *, k: int, h: int, i
     losses = []
     for step_idx, x in enumerate(batches):
         t = step_idx + 1
-        rows = np.split(x.astype(np.float64), k)
-        step_losses = []
-        for i in range(k):
-            loss, g = np_loss_and_grad(islands[i], rows[i])
-            if speeds is None or (t - 1) % heff < speeds[i]:
-                islands[i], states[i] = inner.step(islands[i], g, states[i])
-            step_losses.append(loss)
-        losses.append(step_losses)
+        losses.append(_inner_steps(islands, states, inner, x, t, heff, speeds))
         if t % dh:
             continue
         f, r = (t % heff) // dh, t // heff
