@@ -21,21 +21,25 @@ def describe(values: Sequence[float]) -> dict[str, float]:
     return {"mean": float(x.mean()), "std": float(x.std(ddof=1)) if len(x) > 1 else 0.0, "n": len(x)}
 
 
+def interval(values: Sequence[float], level: float = 0.95) -> dict[str, float]:
+    """Mean of `values` with its Student-t interval at `level` (infinite for one value), and n."""
+    x = np.asarray(values, np.float64)
+    n, mean = len(x), float(x.mean())
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / math.sqrt(n)) if n > 1 else math.inf
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n}
+
+
 def paired(a: Mapping[int, float], b: Mapping[int, float], level: float = 0.95) -> dict[str, float]:
     """a − b over the seeds both have: mean difference, its t-interval at `level`, n, and the
     mean difference relative to b's mean (%)."""
     seeds = sorted(set(a) & set(b))
     if not seeds:
         raise ValueError("paired: the two methods share no seed")
-    d = np.array([a[s] - b[s] for s in seeds], np.float64)
-    n, mean = len(d), float(d.mean())
-    if n > 1:
-        half = float(stats.t.ppf(0.5 + level / 2, n - 1) * d.std(ddof=1) / math.sqrt(n))
-    else:
-        half = math.inf
+    d = interval([a[s] - b[s] for s in seeds], level)
+    mean, lo, hi = d["mean"], d["lo"], d["hi"]
     ref = float(np.mean([b[s] for s in seeds]))
-    return {"diff": mean, "lo": mean - half, "hi": mean + half, "n": n,
-            "diff_pct": 100 * mean / ref, "lo_pct": 100 * (mean - half) / ref, "hi_pct": 100 * (mean + half) / ref}
+    return {"diff": mean, "lo": lo, "hi": hi, "n": d["n"],
+            "diff_pct": 100 * mean / ref, "lo_pct": 100 * lo / ref, "hi_pct": 100 * hi / ref}
 
 
 def verdict(p: Mapping[str, float], margin_pct: float = 0.0) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.stats import describe, paired
 from experiments.sweep import run_sweep
 
 MODEL = ["--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "64", "--global-batch", "8"]
@@ -38,18 +39,23 @@ def grid_and_base(quick: bool) -> tuple[dict, list[str]]:
 
 
 def analyse(rows: list[dict]) -> dict:
-    """Per (α, V): seed mean and range of the final loss, and the change vs V=0 in %."""
-    by = {}
+    """Per (α, V): seed mean and range of the final loss, the change vs V=0 in %, and the
+    seed-paired difference to V=0 at the same α with its 95% t-interval."""
+    by: dict[tuple[float, int], dict[int, float]] = {}
     for r in rows:
-        by.setdefault((float(r["alpha"]), int(r["overlap_steps"])), []).append(r["eval_loss"])
+        by.setdefault((float(r["alpha"]), int(r["overlap_steps"])), {})[int(r["seed"])] = float(r["eval_loss"])
     out = {}
-    for (a, v), losses in sorted(by.items()):
-        ref = np.mean(by[(a, 0)]) if (a, 0) in by else np.nan
+    for (a, v), per_seed in sorted(by.items()):
+        losses = [per_seed[s] for s in sorted(per_seed)]
+        ref = np.mean(list(by[(a, 0)].values())) if (a, 0) in by else np.nan
         out[f"alpha={a},V={v}"] = {
-            "alpha": a, "V": v, "losses": losses, "mean": float(np.mean(losses)),
+            "alpha": a, "V": v, "losses": losses, **describe(losses),
             "min": float(np.min(losses)), "max": float(np.max(losses)),
             "change_pct": float(100 * (np.mean(losses) / ref - 1)),
         }
+        if v and (a, 0) in by:
+            p = paired(per_seed, by[(a, 0)])
+            out[f"alpha={a},V={v}"]["vs_V0"] = {k: p[k] for k in ("diff_pct", "lo_pct", "hi_pct", "n")}
     # seed noise: the spread between seeds of the same point, over all points
     spreads = [p["max"] - p["min"] for p in out.values() if len(p["losses"]) > 1]
     ref_losses = [p["mean"] for p in out.values() if p["V"] == 0]
@@ -115,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "overlap.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "overlap.png", title)
     for name, pt in result["points"].items():
-        print(f"{name:>16}: {pt['mean']:.4f} ({pt['change_pct']:+.2f}% vs V=0; seeds {pt['losses']})")
+        vs = pt.get("vs_V0")
+        paired_text = f", paired {vs['diff_pct']:+.2f}% [{vs['lo_pct']:+.2f}, {vs['hi_pct']:+.2f}]" if vs else ""
+        print(f"{name:>16}: {pt['mean']:.4f} ({pt['change_pct']:+.2f}% vs V=0{paired_text}; seeds {pt['losses']})")
     print(f"{spread_line(result['max_seed_spread_pct'])}; wrote {out / 'overlap.png'}")
     return 0
 

@@ -63,10 +63,12 @@ class Study:
     """Right panel: final loss against bytes sent (else: final loss per method)."""
     extra: Callable[[Method, dict], dict] | None = None
     """Further summary columns of one run from its run.json summary."""
+    model: tuple[str, ...] = tuple(MODEL)
+    """Model and batch flags of every run."""
 
     def jobs(self) -> list[tuple[str, Method, int, list[str]]]:
         every = max(self.steps // 6, 1)
-        common = [*MODEL, *self.base, "--steps", str(self.steps), "--eval-every", str(every),
+        common = [*self.model, *self.base, "--steps", str(self.steps), "--eval-every", str(every),
                   "--checkpoint-every", str(self.steps), "--eval-batches", "16"]
         return [(f"{m.name},seed={s}", m, s, [*common, *m.flags, "--seed", str(s)])
                 for s in self.seeds for m in self.methods]

@@ -108,3 +108,35 @@ def test_sparseloco_quick(tmp_path):
     assert float(rows["diloco"]["comm_index_bytes_per_island"]) == 0
     assert len(json.loads((tmp_path / "sparseloco.json").read_text())["comparisons"]) == 5
     assert (tmp_path / "sparseloco.png").stat().st_size > 10_000
+
+
+def test_gap_trends_quick(tmp_path):
+    from experiments import gap_trends
+
+    assert gap_trends.main(["--out", str(tmp_path), "--quick", "--parallel", "2"]) == 0
+    budget = list(__import__("csv").DictReader(open(tmp_path / "gap_vs_budget" / "summary.csv")))
+    size = list(__import__("csv").DictReader(open(tmp_path / "gap_vs_size" / "summary.csv")))
+    # 43k at 1 and 2 tokens per parameter: 84 -> 90 and 169 -> 180 steps; sizes 15k and 43k at 1
+    assert sorted({(r["tpp"], r["steps"]) for r in budget}) == [("1", "90"), ("2", "180")]
+    assert sorted({r["size"] for r in size}) == ["15k", "43k"] and len(budget) == len(size) == 6
+    result = json.loads((tmp_path / "gap_vs_budget" / "gap_vs_budget.json").read_text())
+    assert result["start_spread"] < 1e-5  # same start: every method, every budget
+    assert {p["method"] for p in result["points"]} == {"diloco", "streaming"}
+    ddp = {r["tpp"]: float(r["comm_bytes_per_island"]) for r in budget if r["method"] == "ddp"}
+    diloco = {r["tpp"]: float(r["comm_bytes_per_island"]) for r in budget if r["method"] == "diloco"}
+    assert all(ddp[t] > 10 * diloco[t] for t in ddp)
+    for name in ("gap_vs_budget/gap_vs_budget.png", "gap_vs_size/gap_vs_size.png", "gap_vs_budget/convergence.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_paper_claims_quick(tmp_path):
+    from experiments import paper_claims
+
+    assert paper_claims.main(["--out", str(tmp_path), "--quick", "--parallel", "2"]) == 0
+    rows = _summary(tmp_path)
+    assert set(rows) == {"V0", "V5", "sequential", "fp4", paper_claims.DRIFT}
+    assert float(rows["fp4"]["comm_bytes_per_island"]) < 0.2 * float(rows["V0"]["comm_bytes_per_island"])
+    # 60 steps, island 0 evaluated every 5: offsets 0, 5, ..., 25 in the second half
+    period = list(__import__("csv").DictReader(open(tmp_path / "period.csv")))
+    assert [int(r["offset"]) for r in period] == [0, 5, 10, 15, 20, 25]
+    assert (tmp_path / "paper_claims_period.png").stat().st_size > 10_000
