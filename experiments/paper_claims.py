@@ -19,6 +19,7 @@ OUT/paper_claims_period.png draws it.
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from diloco_eqx.training.loop import read_jsonl
-from experiments.stats import paired, verdict
+from experiments.stats import interval, paired, verdict
 from experiments.sweep import status
 from experiments.variants import Claim, Method, Study, main as study_main, write_csv
 
@@ -94,6 +95,22 @@ def analyse_period(study: Study, out: Path) -> list[dict]:
     return rows
 
 
+def overlap_trend(rows: list[dict]) -> dict:
+    """The per-seed least-squares slope of the loss change vs V = 0 (%) against V, with its
+    t-interval over seeds: "the overlap's cost grows with V" holds when the interval is above 0."""
+    by: dict[int, dict[int, float]] = {}
+    for r in rows:
+        if r["method"] in {f"V{v}" for v in OVERLAPS}:
+            by.setdefault(int(r["seed"]), {})[int(r["overlap_steps"])] = float(r["eval_loss"])
+    slopes = [float(np.polyfit(list(v), [100 * (v[k] / v[0] - 1) for k in v], 1)[0])
+              for v in by.values() if len(v) == len(OVERLAPS)]
+    if not slopes:
+        return {}
+    t = interval(slopes)
+    return {"slope_pct_per_step": t["mean"], "lo": t["lo"], "hi": t["hi"], "n": t["n"],
+            "verdict_cost_grows_with_V": "holding" if t["lo"] > 0 else "contradicted" if t["hi"] < 0 else "unresolved"}
+
+
 def plot_period(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -125,8 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     study, out = (QUICK if args.quick else FULL), Path(args.out)
     rows = analyse_period(study, out)
     write_csv(out / "period.csv", rows)
+    trend = overlap_trend(list(csv.DictReader(open(out / "summary.csv"))))
     result = json.loads((out / f"{study.name}.json").read_text())
-    (out / f"{study.name}.json").write_text(json.dumps({**result, "period": rows}, indent=1))
+    (out / f"{study.name}.json").write_text(json.dumps({**result, "period": rows, "overlap_trend": trend}, indent=1))
+    if trend:
+        print(f"loss change per step of V: {trend['slope_pct_per_step']:+.3f}% [{trend['lo']:+.3f}, {trend['hi']:+.3f}] "
+              f"(n={trend['n']}) -> cost grows with V: {trend['verdict_cost_grows_with_V']}")
     plot_period(rows, out / f"{study.name}_period.png",
                 f"V=1, α=0.5: outer vs island 0, second half of training, {len(study.seeds)} seed(s)")
     for r in rows:

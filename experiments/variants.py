@@ -135,8 +135,9 @@ def plot(study: Study, out: Path, rows: list[dict], result: dict) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     colors = {}
+    every = max(study.steps // 6, 1)  # the grid every method shares (some evaluate more often)
     for method, by_step in curves(study, out).items():
-        steps = sorted(s for s, v in by_step.items() if len(v) == len(by_step[max(by_step)]))
+        steps = sorted(s for s, v in by_step.items() if len(v) == len(by_step[max(by_step)]) and s % every == 0)
         mean = np.array([np.mean(by_step[s]) for s in steps])
         std = np.array([np.std(by_step[s], ddof=1) if len(by_step[s]) > 1 else 0.0 for s in steps])
         (line,) = left.plot(steps, mean, label=method, lw=1.2)
@@ -171,6 +172,34 @@ def plot(study: Study, out: Path, rows: list[dict], result: dict) -> Path:
     return path
 
 
+def plot_comparisons(study: Study, result: dict, path: Path) -> Path:
+    """Each claim's seed-paired difference (% of b) with its 95% interval, and its margin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    comps = result["comparisons"]
+    fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * max(len(comps), 1)))
+    for i, c in enumerate(comps):
+        lo = c["lo_pct"] if c["lo_pct"] > -1e9 else c["diff_pct"]
+        hi = c["hi_pct"] if c["hi_pct"] < 1e9 else c["diff_pct"]
+        color = {"holding": "C2", "contradicted": "C3"}.get(c["verdict"], "C7")
+        ax.errorbar([c["diff_pct"]], [i], xerr=[[c["diff_pct"] - lo], [hi - c["diff_pct"]]], fmt="o",
+                    color=color, capsize=3)
+        if c["margin_pct"]:
+            ax.plot([c["margin_pct"]] * 2, [i - 0.35, i + 0.35], color="k", ls=":", lw=1)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(range(len(comps)), [f"{c['a']} vs {c['b']}: {c['verdict']}" for c in comps], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("a − b, % of b (seed-paired, 95% t-interval; dotted: the claim's margin)")
+    ax.grid(alpha=0.3, axis="x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main(full: Study, quick: Study, argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m experiments.{full.name}", description=full.doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,6 +223,7 @@ def main(full: Study, quick: Study, argv: Sequence[str] | None = None) -> int:
     write_csv(out / "points.csv", result["points"])
     (out / f"{study.name}.json").write_text(json.dumps(result, indent=1))
     path = plot(study, out, rows, result)
+    plot_comparisons(study, result, out / f"{study.name}_paired.png")
     for pt in result["points"]:
         print(f"{pt['method']}: {pt['mean']:.4f} ± {pt['std']:.4f} (n={pt['n']})")
     for c in result["comparisons"]:

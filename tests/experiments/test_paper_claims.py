@@ -50,3 +50,15 @@ def test_overlap_sweep_pairs_each_V_with_V0_by_seed():
     assert pt["vs_V0"]["lo_pct"] == pytest.approx(100 * (0.021 - 12.706205 * 0.001) / 2.1, rel=1e-5)
     assert pt["change_pct"] == pytest.approx(100 * (2.121 / 2.1 - 1))
     assert "vs_V0" not in sweep_overlap.analyse(rows)["points"]["alpha=0.0,V=0"]
+
+
+def test_overlap_trend_by_hand():
+    # seed 0: +0.3% per step of V exactly; seed 1: +0.5%; seed 2: +0.4% -> mean 0.4, sd 0.1
+    rows = [{"method": f"V{v}", "overlap_steps": v, "seed": s, "eval_loss": 2.0 * (1 + slope * v / 100)}
+            for s, slope in enumerate((0.3, 0.5, 0.4)) for v in pc.OVERLAPS]
+    t = pc.overlap_trend([*rows, {"method": "fp4", "overlap_steps": 0, "seed": 0, "eval_loss": 9.0}])
+    half = 4.302653 * 0.1 / math.sqrt(3)
+    assert t["slope_pct_per_step"] == pytest.approx(0.4) and t["n"] == 3
+    assert (t["lo"], t["hi"]) == (pytest.approx(0.4 - half, rel=1e-5), pytest.approx(0.4 + half, rel=1e-5))
+    assert t["verdict_cost_grows_with_V"] == "holding"
+    assert pc.overlap_trend(rows[:4]) == {}  # no seed with every V
