@@ -1,14 +1,14 @@
 """The DiLoCo–Data-Parallel gap against training budget and against model size, 3 seeds.
 
-    python -m experiments.gap_trends --out runs/gap_trends --parallel 2   # 81 runs, ~50 min on 2 cores
+    python -m experiments.gap_trends --out runs/gap_trends --parallel 2   # 90 runs, ~2 h on 2 cores
     python -m experiments.gap_trends --out runs/gap_trends --quick        # 2 budgets, 2 sizes, 1 seed, ~3 min
 
 Data-Parallel, DiLoCo H = 30 and Streaming DiLoCo H = 30, P = 3 (interleaved, V = 0, α = 0),
 K = 2 islands, outer Nesterov η = 0.5, β = 0.8, inner AdamW (lr 3·10⁻³, warmup 50, cosine to
 10% over each run's own length), 8 × 64 bytes per step, 2-layer byte-level transformers.
   gap_vs_budget  the 43k-parameter model (2 × 32) at 4, 10, 20 and 40 tokens per parameter
-  gap_vs_size    2 × 16 (15k), 2 × 32 (43k) and 3 × 64 (185k parameters) at 20 tokens per
-                 parameter (the 43k point is the budget study's run)
+  gap_vs_size    2 × 12 (10k), 2 × 32 (43k) and 2 × 64 (135k parameters, 13× the smallest)
+                 at 20 tokens per parameter (the 43k point is the budget study's run)
 Steps are the budget's rounded to whole periods of 30. The gap of a method is its final
 held-out loss over Data-Parallel's with the same seed (same initialization and data order),
 in %, with a Student-t interval over seeds; the trend is the per-seed least-squares slope of
@@ -38,7 +38,7 @@ from experiments.variants import write_csv
 
 TOKENS_PER_STEP = 8 * 64
 PERIOD = 30
-SIZES = {"15k": (2, 16, 2, 15_440), "43k": (2, 32, 2, 43_168), "185k": (3, 64, 4, 184_768)}
+SIZES = {"10k": (2, 12, 2, 10_428), "43k": (2, 32, 2, 43_168), "135k": (2, 64, 4, 135_488)}
 """name: (layers, width, heads, parameters)."""
 METHODS = {
     "ddp": ("--mode", "ddp"),
@@ -64,8 +64,8 @@ class Plan:
         return list(dict.fromkeys(pts))
 
 
-FULL = Plan(budgets=(4, 10, 20, 40), sizes=("15k", "43k", "185k"), seeds=(0, 1, 2, 3, 4))
-QUICK = Plan(budgets=(1, 2), sizes=("15k", "43k"), seeds=(0,), size_budget=1)
+FULL = Plan(budgets=(4, 10, 20, 40), sizes=("10k", "43k", "135k"), seeds=(0, 1, 2, 3, 4))
+QUICK = Plan(budgets=(1, 2), sizes=("10k", "43k"), seeds=(0,), size_budget=1)
 
 
 def steps_for(size: str, tpp: float) -> int:

@@ -44,10 +44,10 @@ def test_sizes_and_steps():
         assert sum(x.size for x in jax.tree.leaves(model)) == params, name
     # 43,168 parameters × 4 tokens / 512 tokens per step = 337.3 steps -> 11 periods of 30
     assert [g.steps_for("43k", b) for b in g.FULL.budgets] == [330, 840, 1680, 3360]
-    assert g.steps_for("15k", 20) == 600 and g.steps_for("185k", 20) == 7230
-    assert g.steps_for("15k", 0.01) == 30  # at least one period
+    assert g.steps_for("10k", 20) == 420 and g.steps_for("135k", 20) == 5280
+    assert g.steps_for("10k", 0.01) == 30  # at least one period
     # the size study's 43k point is the budget study's 20-tokens-per-parameter run
-    assert g.FULL.points() == [("43k", 4), ("43k", 10), ("43k", 20), ("43k", 40), ("15k", 20), ("185k", 20)]
+    assert g.FULL.points() == [("43k", 4), ("43k", 10), ("43k", 20), ("43k", 40), ("10k", 20), ("135k", 20)]
     assert len(g.jobs(g.FULL)) == 6 * 3 * len(g.FULL.seeds)
 
 

@@ -116,9 +116,9 @@ def test_gap_trends_quick(tmp_path):
     assert gap_trends.main(["--out", str(tmp_path), "--quick", "--parallel", "2"]) == 0
     budget = list(__import__("csv").DictReader(open(tmp_path / "gap_vs_budget" / "summary.csv")))
     size = list(__import__("csv").DictReader(open(tmp_path / "gap_vs_size" / "summary.csv")))
-    # 43k at 1 and 2 tokens per parameter: 84 -> 90 and 169 -> 180 steps; sizes 15k and 43k at 1
+    # 43k at 1 and 2 tokens per parameter: 84 -> 90 and 169 -> 180 steps; sizes 10k and 43k at 1
     assert sorted({(r["tpp"], r["steps"]) for r in budget}) == [("1", "90"), ("2", "180")]
-    assert sorted({r["size"] for r in size}) == ["15k", "43k"] and len(budget) == len(size) == 6
+    assert sorted({r["size"] for r in size}) == ["10k", "43k"] and len(budget) == len(size) == 6
     result = json.loads((tmp_path / "gap_vs_budget" / "gap_vs_budget.json").read_text())
     assert result["start_spread"] < 1e-5  # same start: every method, every budget
     assert {p["method"] for p in result["points"]} == {"diloco", "streaming"}
