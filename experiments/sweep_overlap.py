@@ -42,8 +42,9 @@ def analyse(rows: list[dict]) -> dict:
     """Per (α, V): seed mean and range of the final loss, the change vs V=0 in %, and the
     seed-paired difference to V=0 at the same α with its 95% t-interval."""
     by: dict[tuple[float, int], dict[int, float]] = {}
-    for r in rows:
-        by.setdefault((float(r["alpha"]), int(r["overlap_steps"])), {})[int(r["seed"])] = float(r["eval_loss"])
+    for r in rows:  # a grid without a seed axis: its runs count as seeds 0, 1, ... in order
+        point = by.setdefault((float(r["alpha"]), int(r["overlap_steps"])), {})
+        point[int(r["seed"]) if "seed" in r else len(point)] = float(r["eval_loss"])
     out = {}
     for (a, v), per_seed in sorted(by.items()):
         losses = [per_seed[s] for s in sorted(per_seed)]
