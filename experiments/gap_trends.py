@@ -1,4 +1,4 @@
-"""The DiLoCo–Data-Parallel gap against training budget and against model size, 3 seeds.
+"""The DiLoCo–Data-Parallel gap against training budget and against model size, 5 seeds.
 
     python -m experiments.gap_trends --out runs/gap_trends --parallel 2   # 90 runs, ~2 h on 2 cores
     python -m experiments.gap_trends --out runs/gap_trends --quick        # 2 budgets, 2 sizes, 1 seed, ~3 min

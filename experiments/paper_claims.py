@@ -1,6 +1,6 @@
-"""The Streaming DiLoCo paper's smaller claims, re-measured with 5 paired seeds.
+"""The Streaming DiLoCo paper's smaller claims, re-measured with 10 paired seeds.
 
-    python -m experiments.paper_claims --out runs/paper_claims --parallel 2   # 40 runs of 1620 steps, ~35 min
+    python -m experiments.paper_claims --out runs/paper_claims --parallel 2   # 80 runs of 1620 steps, ~55 min
     python -m experiments.paper_claims --out runs/paper_claims --quick        # 1 seed of 60 steps, ~1 min
 
 Streaming DiLoCo, K = 2 islands, H = 30, P = 3, outer Nesterov η = 0.5, β = 0.8, on the
