@@ -20,11 +20,9 @@ steps and against bytes sent at the largest budget, seed bands.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +31,7 @@ import numpy as np
 
 from diloco_eqx.training.loop import read_jsonl
 from experiments.stats import describe, interval, paired, verdict
-from experiments.sweep import run_jobs, status
+from experiments.sweep import run_jobs, status, study_args
 from experiments.variants import write_csv
 
 TOKENS_PER_STEP = 8 * 64
@@ -219,8 +217,8 @@ def convergence(plan: Plan, out: Path, size: str, tpp: float) -> dict[str, list[
                 if "eval_loss" in row:
                     got.setdefault(method, {}).setdefault(row["step"], (sent.get(row["step"], 0.0), []))[1].append(
                         row["eval_loss"])
-    return {m: [(s, b, v) for s, (b, v) in sorted(by.items()) if len(v) == max(len(x[1]) for x in by.values())]
-            for m, by in got.items()}
+    full = {m: max(len(v) for _, v in by.values()) for m, by in got.items()}
+    return {m: [(s, b, v) for s, (b, v) in sorted(by.items()) if len(v) == full[m]] for m, by in got.items()}
 
 
 def plot_convergence(curves: dict, path: Path, title: str) -> None:
@@ -281,17 +279,9 @@ def report(plan: Plan, out: Path) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.gap_trends", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/gap_trends")
-    p.add_argument("--quick", action="store_true", help="tiny budgets, one seed: checks the pipeline")
-    p.add_argument("--parallel", type=int, default=1, help="runs at a time")
-    args = p.parse_args(argv)
-    if args.parallel < 1:
-        p.error(f"--parallel must be >= 1; got {args.parallel}")
-    plan, out = (QUICK if args.quick else FULL), Path(args.out)
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out.resolve() / "jax_cache"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    args = study_args("python -m experiments.gap_trends", __doc__, "runs/gap_trends",
+                      "tiny budgets, one seed: checks the pipeline", argv)
+    plan, out = (QUICK if args.quick else FULL), args.out
     failed = run_jobs(out, jobs(plan), args.parallel)
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)

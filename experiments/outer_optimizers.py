@@ -15,14 +15,12 @@ OUT/outer_optimizers.png. Interrupted runs resume; finished ones are skipped.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from experiments.stats import describe, paired, verdict
-from experiments.sweep import run_jobs, status
+from experiments.sweep import run_jobs, status, study_args
 from experiments.variants import write_csv
 
 MODEL = ["--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "64", "--global-batch", "8"]
@@ -131,18 +129,9 @@ def plot(rows: list[dict], result: dict, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.outer_optimizers", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/outer_optimizers")
-    p.add_argument("--quick", action="store_true", help="7 short runs, to check the pipeline")
-    p.add_argument("--parallel", type=int, default=1, help="runs at a time")
-    args = p.parse_args(argv)
-    if args.parallel < 1:
-        p.error(f"--parallel must be >= 1; got {args.parallel}")
-    out, grid = Path(args.out), QUICK if args.quick else FULL
-    # the runs differ in knobs, not programs, mostly: one compilation cache serves them all
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out.resolve() / "jax_cache"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    args = study_args("python -m experiments.outer_optimizers", __doc__, "runs/outer_optimizers",
+                      "7 short runs, to check the pipeline", argv)
+    out, grid = args.out, QUICK if args.quick else FULL
     runs = jobs(grid)
     failed = run_jobs(out, [(name, flags) for name, _, flags in runs], args.parallel)
     rows = summarize(out, runs)

@@ -18,7 +18,6 @@ OUT/paper_claims_period.png draws it.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
@@ -30,8 +29,8 @@ import numpy as np
 
 from diloco_eqx.training.loop import read_jsonl
 from experiments.stats import interval, paired, verdict
-from experiments.sweep import status
-from experiments.variants import Claim, Method, Study, main as study_main, write_csv
+from experiments.sweep import status, study_args
+from experiments.variants import Claim, Method, Study, run_study, write_csv
 
 MODEL = ("--layers", "4", "--width", "24", "--heads", "2", "--seq-len", "64", "--global-batch", "8")
 PERIOD, EVAL_EVERY = 30, 5
@@ -132,14 +131,12 @@ def plot_period(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    rc = study_main(FULL, QUICK, argv)
+    args = study_args("python -m experiments.paper_claims", __doc__, f"runs/{FULL.name}",
+                      "one seed of short runs, to check the pipeline", argv)
+    study, out = (QUICK if args.quick else FULL), args.out
+    rc = run_study(study, out, args.parallel)
     if rc:
         return rc
-    p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--out", default=f"runs/{FULL.name}")
-    p.add_argument("--quick", action="store_true")
-    args, _ = p.parse_known_args(argv)
-    study, out = (QUICK if args.quick else FULL), Path(args.out)
     rows = analyse_period(study, out)
     write_csv(out / "period.csv", rows)
     trend = overlap_trend(list(csv.DictReader(open(out / "summary.csv"))))

@@ -62,6 +62,23 @@ def point_flags(point: Mapping[str, Any]) -> list[str]:
     return flags
 
 
+def study_args(prog: str, doc: str | None, default_out: str, quick_help: str,
+               argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """--out, --quick and --parallel of a study script; also points JAX's compilation cache
+    at OUT/jax_cache, since a study's runs share most of their programs."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=default_out)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--parallel", type=int, default=1, help="runs at a time")
+    args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1; got {args.parallel}")
+    args.out = Path(args.out)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(args.out.resolve() / "jax_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    return args
+
+
 def status(run_dir: Path) -> str:
     """"finished", "started" (a run.json or checkpoint exists) or "new"."""
     meta = run_dir / "run.json"

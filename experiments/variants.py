@@ -13,18 +13,16 @@ a seed band, and final loss against bytes sent).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from diloco_eqx.training.loop import read_jsonl
 from experiments.stats import describe, paired, verdict
-from experiments.sweep import run_jobs, status
+from experiments.sweep import run_jobs, status, study_args
 
 MODEL = ["--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "64", "--global-batch", "8"]
 """The 2-layer × 64 byte-level transformer on the stdlib corpus, GBS 8 × 64 bytes."""
@@ -201,20 +199,15 @@ def plot_comparisons(study: Study, result: dict, path: Path) -> Path:
 
 
 def main(full: Study, quick: Study, argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m experiments.{full.name}", description=full.doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=f"runs/{full.name}")
-    p.add_argument("--quick", action="store_true", help="one seed of short runs, to check the pipeline")
-    p.add_argument("--parallel", type=int, default=1, help="runs at a time")
-    args = p.parse_args(argv)
-    if args.parallel < 1:
-        p.error(f"--parallel must be >= 1; got {args.parallel}")
-    out, study = Path(args.out), quick if args.quick else full
-    # the runs share most programs: one compilation cache serves them all
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(out.resolve() / "jax_cache"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    args = study_args(f"python -m experiments.{full.name}", full.doc, f"runs/{full.name}",
+                      "one seed of short runs, to check the pipeline", argv)
+    return run_study(quick if args.quick else full, args.out, args.parallel)
+
+
+def run_study(study: Study, out: Path, parallel: int = 1) -> int:
+    """Run the study's unfinished runs into OUT, then write and print its summary."""
     runs = study.jobs()
-    failed = run_jobs(out, [(name, flags) for name, _, _, flags in runs], args.parallel)
+    failed = run_jobs(out, [(name, flags) for name, _, _, flags in runs], parallel)
     rows = summarize(study, out)
     if failed:
         print(f"error: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
