@@ -5,6 +5,7 @@ Training infrastructure lives in `diloco_eqx.training`, measurement in `diloco_e
 both use this package, never the reverse.
 """
 
+from diloco_eqx.compiler import cpu_scheduler
 from diloco_eqx.codecs import AbstractCodec, register_codec, registered_codecs
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.faults import AbstractFaultModel, register_fault_model, registered_fault_models
@@ -31,6 +32,7 @@ __all__ = [
     "Schedule",
     "StepMetrics",
     "TrainStep",
+    "cpu_scheduler",
     "init_state",
     "make_mesh",
     "make_train_step",

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, PyTree
 
+from diloco_eqx import compiler
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx.islands import ShardMapIslands
 from diloco_eqx.metrics import StepMetrics
@@ -96,7 +97,8 @@ class DDPStep:
 
     def __init__(self, plan: DDPPlan):
         self.plan = plan
-        self._step = eqx.filter_jit(partial(run_ddp_step, plan), donate="all-except-first")
+        self._step = eqx.filter_jit(partial(run_ddp_step, plan), donate="all-except-first",
+                                    compiler_options=compiler.step_options(plan.mesh))
 
     def place_batch(self, batch: PyTree) -> PyTree:
         return mesh_lib.place_island_batches(batch, self.plan.num_replicas, self.plan.mesh)

@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
+from diloco_eqx import compiler
 from diloco_eqx import delayed as delayed_lib
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import speeds
@@ -578,8 +579,10 @@ class TrainStep:
     def __init__(self, plan: Plan):
         self.plan = plan
         # filter_jit donates every argument but the first: the caller's batch is kept
-        self._step = eqx.filter_jit(partial(run_step, plan), donate="all-except-first")
-        self._settle = eqx.filter_jit(partial(run_settle, plan))
+        options = compiler.step_options(plan.mesh)
+        self._step = eqx.filter_jit(partial(run_step, plan), donate="all-except-first",
+                                    compiler_options=options)
+        self._settle = eqx.filter_jit(partial(run_settle, plan), compiler_options=options)
 
     @property
     def schedule(self):

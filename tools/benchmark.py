@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "utilisation is measured against a matmul in the same dtype")
     parser.add_argument("--no-sync-cost", action="store_true",
                         help="skip the sync-cost section (its tiny-batch steps and the floor)")
+    parser.add_argument("--cpu-orders", action="store_true",
+                        help="instead of the step table: memory and paired step times of each size under "
+                             "XLA:CPU's two instruction orders (diloco_eqx.cpu_scheduler; no mesh, CPU only)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = (
@@ -86,9 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
                                                            [s.name for s in SIZES]))]
     meshes = args.meshes or (["none"] if args.quick else ["none", "2x1"])
     reps = args.reps or (15 if args.quick else 25)
-    result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
-                 dtype=args.dtype, with_sync_cost=not args.no_sync_cost)
-    print(format_table(result))
+    if args.cpu_orders:
+        result = run_cpu_orders(sizes, reps, args.sync_period, args.num_fragments)
+        print(format_orders(result["cpu_orders"]))
+    else:
+        result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
+                     dtype=args.dtype, with_sync_cost=not args.no_sync_cost)
+        print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -360,6 +367,104 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
             "streaming_over_vanilla": streaming_extra / vanilla_extra, "one_over_p": 1 / num_fragments,
             "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
             "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)), "reps": reps}
+
+
+def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
+    """XLA:CPU's two instruction orders side by side (`diloco_eqx.cpu_scheduler`): each mode's
+    resident memory over plain's under the same order, against its expected extra (as in
+    `run`'s memory modes), and full-batch step times paired within each repetition (the
+    orders alternate which runs first) for plain, a Streaming (V = 1) step without an event
+    and its stash step. Ratios are memory-order time / concurrency-order time: the mean with
+    its 95% t-interval over the repetitions."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx.analysis import profiling
+    from diloco_eqx.analysis.plain import make_plain_step
+    from diloco_eqx.compiler import CPU_SCHEDULERS
+    from experiments.stats import interval
+    from models.transformer import count_params, loss_fn
+
+    inner, n = optax.adamw(1e-3), count_params(model)
+    batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
+    cfgs = {"vanilla": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period),
+            "streaming": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
+                                         num_fragments=num_fragments),
+            "streaming_deferred": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
+                                                  num_fragments=num_fragments, overlap_steps=1)}
+    largest = max(dl.Fragmentation.from_model(model, cfgs["streaming"]).param_counts(
+        eqx.filter(model, eqx.is_inexact_array)))
+    expected = {"vanilla": 8 * n, "streaming": 8 * n, "streaming_deferred": 8 * n + k * largest * 4}
+    steps, memory = {}, {}
+    for order in CPU_SCHEDULERS:
+        with dl.cpu_scheduler(order):
+            steps[order, "plain"] = list(make_plain_step(model, loss_fn, inner, k))
+            for mode, cfg in cfgs.items():
+                steps[order, mode] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
+        memory[order] = {mode: profiling.memory(step.lower(state, batch).compile())["resident_bytes"]
+                         for (o, mode), (state, step) in steps.items() if o == order}
+    modes = {order: {mode: {"extra_bytes": memory[order][mode] - memory[order]["plain"],
+                            "expected_extra_bytes": want} for mode, want in expected.items()}
+             for order in CPU_SCHEDULERS}
+    dh = dl.Schedule.from_config(cfgs["streaming_deferred"]).steps_between_syncs
+    phases = {"plain": ("plain", None), "streaming_nonsync": ("streaming_deferred", 5),
+              "streaming_sync": ("streaming_deferred", dh)}
+    placed = {key: step.place_batch(batch) for key, (_, step) in steps.items()}
+    times = {}
+    for rep in range(reps + 1):
+        for name, (mode, t) in phases.items():
+            for order in (("memory", "concurrency") if rep % 2 else ("concurrency", "memory")):
+                state, step = steps[order, mode]
+                if t is not None:
+                    state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(t - 1, jnp.int32)))
+                t0 = time.perf_counter()
+                state, _ = step.step_placed(state, placed[order, mode])
+                jax.block_until_ready(state)
+                if rep:  # the first repetition compiles and warms up
+                    times.setdefault((order, name), []).append(time.perf_counter() - t0)
+                steps[order, mode][0] = state
+    timing = {}
+    for name in phases:
+        ci = interval(list(np.divide(times["memory", name], times["concurrency", name])))
+        timing[name] = {"memory_s": float(np.median(times["memory", name])),
+                        "concurrency_s": float(np.median(times["concurrency", name])),
+                        "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
+    return {"params": n, "resident_bytes": memory, "modes": modes, "times": timing, "reps": reps}
+
+
+def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
+    import jax
+
+    from models.transformer import Transformer, TransformerConfig
+
+    if jax.default_backend() != "cpu":
+        raise SystemExit(f"--cpu-orders: compares XLA:CPU's orders; this machine's backend is {jax.default_backend()}")
+    orders = {}
+    for size in sizes:
+        model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width, num_heads=size.heads,
+                                              seq_len=size.seq_len), jax.random.key(0))
+        orders[size.name] = cpu_orders(model, size, 2, sync_period, num_fragments, reps)
+    return {"cpu_orders": orders, "settings": {"num_replicas": 2, "sync_period": sync_period,
+                                               "num_fragments": num_fragments, "overlap_steps": 1, "reps": reps},
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "python": platform.python_version(), "jax": jax.__version__}}
+
+
+def format_orders(orders: dict) -> str:
+    lines = []
+    for size, c in orders.items():
+        for order, modes in c["modes"].items():
+            lines.append(f"{size} {order} order: plain resident {c['resident_bytes'][order]['plain']:,} B; extra / "
+                         "expected: " + ", ".join(f"{m} {v['extra_bytes'] / v['expected_extra_bytes']:.3f}"
+                                                  for m, v in modes.items()))
+        lines.append(f"{size} step time, memory / concurrency order (mean [95%], {c['reps']} paired reps): " + ", ".join(
+            f"{k} {v['time_ratio']:.3f} [{v['time_ratio_low']:.3f}, {v['time_ratio_high']:.3f}]"
+            for k, v in c["times"].items()))
+    return "\n".join(lines)
 
 
 def _handwritten_sync(model, k: int, cfg, reps: int = 15) -> float:

@@ -17,6 +17,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
+from diloco_eqx import compiler
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import default_layers
@@ -29,7 +30,8 @@ class PlainStep:
 
     def __init__(self, plan: Plan, static: eqx.Module, layout: PyTree):
         self.plan, self.static, self.layout = plan, static, layout
-        self._step = eqx.filter_jit(self._run, donate="all-except-first")
+        self._step = eqx.filter_jit(self._run, donate="all-except-first",
+                                    compiler_options=compiler.step_options(plan.mesh))
 
     def _run(self, batches, state):
         islands = mesh_lib.ISLANDS

@@ -57,3 +57,40 @@ def check_quick_json(result: dict) -> None:
     for r in result["rows"]:
         assert set(r) >= {"size", "mode", "phase", "median_s", "ratio_to_plain"}
         assert r["median_s"] > 0 and r["size"] == "1M"
+
+
+def check_orders_json(result: dict) -> None:
+    """What a `--cpu-orders` JSON must hold: each order's extras are its own resident bytes
+    over its own plain step's, against the same formula as the quick JSON's modes."""
+    for size, c in result["cpu_orders"].items():
+        assert set(c["modes"]) == {"memory", "concurrency"}
+        for order, modes in c["modes"].items():
+            plain = c["resident_bytes"][order]["plain"]
+            for mode, m in modes.items():
+                assert m["extra_bytes"] == c["resident_bytes"][order][mode] - plain > 0, (size, order, mode)
+            assert modes["vanilla"]["expected_extra_bytes"] == 8 * c["params"]
+            assert modes["streaming_deferred"]["expected_extra_bytes"] > 8 * c["params"]
+        for name, t in c["times"].items():
+            assert t["time_ratio_low"] <= t["time_ratio"] <= t["time_ratio_high"], name
+            assert t["memory_s"] > 0 and t["concurrency_s"] > 0
+
+
+def test_committed_cpu_orders_json():
+    """benchmarks/cpu_orders.json as committed: at 10M and 30M the memory order holds the
+    deferred stash within 5% of its formula, where XLA's default order does not."""
+    result = json.loads((ROOT / "benchmarks" / "cpu_orders.json").read_text())
+    check_orders_json(result)
+    for size in ("10M", "30M"):
+        modes = result["cpu_orders"][size]["modes"]
+        ratio = {o: modes[o]["streaming_deferred"]["extra_bytes"] / modes[o]["streaming_deferred"]["expected_extra_bytes"]
+                 for o in modes}
+        assert ratio["memory"] < 1.05 < ratio["concurrency"], (size, ratio)
+
+
+@pytest.mark.slow
+def test_cpu_orders_json(tmp_path):
+    path = tmp_path / "orders.json"
+    subprocess.run([sys.executable, "-m", "tools.benchmark", "--cpu-orders", "--sizes", "1M", "--reps", "2",
+                    "--json", str(path)], cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, check=True,
+                   capture_output=True, timeout=900)
+    check_orders_json(json.loads(path.read_text()))

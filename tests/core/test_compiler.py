@@ -1,0 +1,67 @@
+"""The steps' compiler options: XLA:CPU's instruction order, chosen by `cpu_scheduler`, reaches
+the compiler and changes where buffers live, never a number."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import diloco_eqx as dl
+from diloco_eqx.analysis import profiling
+from diloco_eqx.compiler import step_options
+from models.transformer import Transformer, TransformerConfig, loss_fn
+from tests.helpers import batches, reference_run, run_jax
+from tests.reference import NpAdamW, toy_to_numpy
+
+MEMORY = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+CONCURRENCY = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED"}
+
+
+def test_an_unknown_order_is_refused_with_the_allowed_names():
+    with pytest.raises(ValueError, match=r"cpu_scheduler: name must be one of \['concurrency', 'memory'\]; got 'fast'"):
+        with dl.cpu_scheduler("fast"):
+            pass
+    assert step_options(None) == {}
+
+
+def test_options_hold_inside_the_context_only_and_nest():
+    mesh = dl.make_mesh(diloco=2, data=2)
+    assert step_options(None) == {} and step_options(mesh) == {}  # XLA's own choice by default
+    with dl.cpu_scheduler("memory"):
+        assert step_options(None) == MEMORY and step_options(mesh) == MEMORY
+        with dl.cpu_scheduler("concurrency"):
+            assert step_options(None) == CONCURRENCY
+        assert step_options(None) == MEMORY
+    assert step_options(None) == {}
+
+
+def test_the_memory_order_gives_the_reference_numbers():
+    """Streaming V = 1 with AdamW built under each order: both match the NumPy reference, and
+    each other bit for bit."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+                          overlap_steps=1, alpha=0.5, outer_lr=0.7, outer_momentum=0.9)
+    data = batches(14)
+    runs = {}
+    for order in ("memory", "concurrency"):
+        with dl.cpu_scheduler(order):
+            runs[order] = run_jax(cfg, optax.adamw(0.01, weight_decay=1e-4), data)
+    ref_losses, ref_outer, _ = reference_run(cfg, data, NpAdamW(0.01))
+    np.testing.assert_allclose(runs["memory"][0], ref_losses, rtol=2e-5, atol=2e-5)
+    outer = {o: toy_to_numpy(state.outer_model) for o, (_, state) in runs.items()}
+    for name in ref_outer:
+        np.testing.assert_allclose(outer["memory"][name], ref_outer[name], rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(outer["memory"][name], outer["concurrency"][name])
+    np.testing.assert_array_equal(runs["memory"][0], runs["concurrency"][0])
+
+
+def test_the_order_reaches_the_compiler():
+    """The same Streaming step compiled under the two orders places its buffers differently."""
+    model = Transformer(TransformerConfig(num_layers=2, width=16, num_heads=2, seq_len=8), jax.random.key(0))
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3, overlap_steps=1)
+    inner, batch = optax.adamw(1e-3), np.zeros((4, 9), np.int32)
+    temps = {}
+    for order in ("memory", "concurrency"):
+        with dl.cpu_scheduler(order):
+            step = dl.make_train_step(cfg, loss_fn, inner)
+        temps[order] = profiling.memory(step.lower(dl.init_state(model, inner, cfg), batch).compile())["temp_bytes"]
+    assert temps["memory"] != temps["concurrency"], temps
