@@ -377,8 +377,6 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
     and its stash step. Ratios are memory-order time / concurrency-order time: the mean with
     its 95% t-interval over the repetitions."""
     import equinox as eqx
-    import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -413,7 +411,24 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
     dh = dl.Schedule.from_config(cfgs["streaming_deferred"]).steps_between_syncs
     phases = {"plain": ("plain", None), "streaming_nonsync": ("streaming_deferred", 5),
               "streaming_sync": ("streaming_deferred", dh)}
-    placed = {key: step.place_batch(batch) for key, (_, step) in steps.items()}
+    times = _paired_order_times(steps, {key: step.place_batch(batch) for key, (_, step) in steps.items()},
+                                phases, reps)
+    timing = {}
+    for name in phases:
+        ci = interval(list(np.divide(times["memory", name], times["concurrency", name])))
+        timing[name] = {"memory_s": float(np.median(times["memory", name])),
+                        "concurrency_s": float(np.median(times["concurrency", name])),
+                        "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
+    return {"params": n, "resident_bytes": memory, "modes": modes, "times": timing, "reps": reps}
+
+
+def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int) -> dict:
+    """{(order, phase): seconds per repetition}; in each repetition the two orders run each
+    phase back to back, alternating which goes first. `steps` holds [state, step] lists."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
     times = {}
     for rep in range(reps + 1):
         for name, (mode, t) in phases.items():
@@ -427,13 +442,7 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
                 if rep:  # the first repetition compiles and warms up
                     times.setdefault((order, name), []).append(time.perf_counter() - t0)
                 steps[order, mode][0] = state
-    timing = {}
-    for name in phases:
-        ci = interval(list(np.divide(times["memory", name], times["concurrency", name])))
-        timing[name] = {"memory_s": float(np.median(times["memory", name])),
-                        "concurrency_s": float(np.median(times["concurrency", name])),
-                        "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
-    return {"params": n, "resident_bytes": memory, "modes": modes, "times": timing, "reps": reps}
+    return times
 
 
 def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
