@@ -116,7 +116,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
     from diloco_eqx.analysis import profiling
     from diloco_eqx.analysis.plain import make_plain_step
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
-    from models.transformer import Transformer, TransformerConfig, count_params, loss_fn
+    from models.transformer import count_params, loss_fn
 
     K = 2
     inner = optax.adamw(1e-3)
@@ -124,9 +124,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
     matmul_flops = _matmul_flops(jax, jnp, dtype=jnp.dtype(dtype))
 
     def make_model(size):
-        model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
-                                              num_heads=size.heads, seq_len=size.seq_len), jax.random.key(0))
-        return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
+        return _model(size, dtype)
 
     for size in sizes:
         model = make_model(size)
@@ -448,19 +446,27 @@ def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int) -> d
 def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
     import jax
 
-    from models.transformer import Transformer, TransformerConfig
-
     if jax.default_backend() != "cpu":
         raise SystemExit(f"--cpu-orders: compares XLA:CPU's orders; this machine's backend is {jax.default_backend()}")
     orders = {}
     for size in sizes:
-        model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width, num_heads=size.heads,
-                                              seq_len=size.seq_len), jax.random.key(0))
-        orders[size.name] = cpu_orders(model, size, 2, sync_period, num_fragments, reps)
+        orders[size.name] = cpu_orders(_model(size), size, 2, sync_period, num_fragments, reps)
     return {"cpu_orders": orders, "settings": {"num_replicas": 2, "sync_period": sync_period,
                                                "num_fragments": num_fragments, "overlap_steps": 1, "reps": reps},
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "jax": jax.__version__}}
+
+
+def _model(size: Size, dtype: str = "float32"):
+    """The benchmark's transformer of `size`, its parameters in `dtype` (seed 0)."""
+    import equinox as eqx
+    import jax
+
+    from models.transformer import Transformer, TransformerConfig
+
+    model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
+                                          num_heads=size.heads, seq_len=size.seq_len), jax.random.key(0))
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
 
 
 def format_orders(orders: dict) -> str:
