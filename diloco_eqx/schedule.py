@@ -18,6 +18,11 @@ EVENT_SCOPE = "schedule_event"
 an exchange, an apply, a reset), which runs zero or one time: how the analyses tell those
 loops, which run only on some steps, from the model's own loops, which run on every step."""
 
+RECHECK_SCOPE = "sync_checked_again"
+"""The named scope of a sync done again, checking every island first, because its first pass
+was not trusted (a non-finite mean: some island went non-finite; or an island that did not
+send): its collectives run only on such syncs."""
+
 
 def _check(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -2,9 +2,9 @@
 
 With V >= 1 the sync at step t keeps each island's pseudo-gradient of fragment f(t) and step
 t+1 exchanges it, so exactly one fragment is in flight at a time. The stash is therefore
-sized to the largest fragment, not to the model: fragment f's leaves are flattened into one
-row of at most `size` values per device, written over the front of the island's row in
-place.
+sized to the largest fragment, not to the model: fragment f's leaves are flattened into the
+front of one row of `size` values per device (the largest fragment's), the whole row written
+in one pass.
 
 On an island mesh every device keeps only its own pieces. A leaf is laid out like the outer
 model (split over the island's "fsdp" and "data" devices), and it is flattened device-major:
@@ -24,7 +24,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
@@ -65,16 +64,14 @@ class Stash:
         return jnp.zeros((num_islands, *self.grid, self.size), self.dtype)
 
     def pack(self, tree: PyTree, row: Float[Array, "fsdp data size"] | None = None) -> Float[Array, "fsdp data size"]:
-        """One island's fragment tree (leaves outside the fragment None) as a stash row:
-        written over the front of `row` in place (what lies past the fragment's values is
-        never read), or into a zero row."""
-        row = self.zeros(1)[0] if row is None else row
-        offset = 0
-        for x in jax.tree.leaves(tree):
-            piece = self._to_grid(x).astype(self.dtype)
-            row = lax.dynamic_update_slice_in_dim(row, piece, offset, axis=-1)
-            offset += piece.shape[-1]
-        return row
+        """One island's fragment tree (leaves outside the fragment None) as a stash row: its
+        values at the front, then what `row` held past them (never read), or zeros. The row
+        is written whole, in one pass: XLA:CPU runs an in-place update of part of a buffer
+        on one thread, a pass over all of it on every core."""
+        pieces = [self._to_grid(x).astype(self.dtype) for x in jax.tree.leaves(tree)]
+        used = sum(p.shape[-1] for p in pieces)
+        tail = self.zeros(1)[0, ..., used:] if row is None else row[..., used:]
+        return jnp.concatenate([*pieces, tail], axis=-1) if pieces else tail
 
     def unpack(self, row: Float[Array, "fsdp data size"], like: PyTree) -> PyTree:
         """The fragment tree shaped (and typed) like `like` from a row `pack` wrote."""

@@ -44,7 +44,7 @@ from diloco_eqx.islands import Islands, make_islands
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import Fragmentation, default_layers
 from diloco_eqx.metrics import StepMetrics
-from diloco_eqx.schedule import EVENT_SCOPE
+from diloco_eqx.schedule import EVENT_SCOPE, RECHECK_SCOPE
 from diloco_eqx.state import DiLoCoState, state_shardings, state_specs
 from diloco_eqx.stash import Stash
 from diloco_eqx.sync import SyncMetrics
@@ -242,39 +242,64 @@ def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree) -> tuple[PyT
     return plan.pin_islands(deltas, like_outer=True), finite
 
 
-def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_opt, residual):
+def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_opt, residual, checked: bool = True):
     """The mean of fragment f's pseudo-gradients over the islands that contribute to the sync
     at `t_sync` (finite ones the fault model lets through), and one outer step on f with f's
-    own optimizer state. If no island contributes, the outer fragment and its state stay as
-    they were."""
-    frags, islands = plan.fragments, plan.islands
+    own optimizer state; if no island contributes, the outer fragment and its state stay as
+    they were. Returns (outer, its optimizer states, residual, report, which islands are
+    finite, whether the sync was trusted).
+
+    Unchecked (`checked=False`, lossless codecs only), `finite` is not read: the mean is
+    taken as if every island were finite, and its norm tells, since one non-finite island
+    makes it non-finite. Only a finite norm with every island sending is trusted (then
+    every island is known finite, for an apply in the same step) and stepped on; otherwise
+    `sync_stage` does the sync again, checked, with the numbers of checking first. So a
+    healthy sync reads no island's fragment twice."""
+    frags, islands, cfg = plan.fragments, plan.islands, plan.cfg
+    missing = cfg.fault_model.missing(t_sync, islands.ids(), deltas)
+    weights = plan.island_weights(t_sync)
     outer_f = frags.take(params(outer), f)
-    ok = finite & ~plan.cfg.fault_model.missing(t_sync, islands.ids(), deltas)
     res_f = None if residual is None else islands.map(lambda r: frags.take(r, f), residual)
-    mean, count, res_f, err = sync.mean_pseudo_gradient(plan.cfg.codec, deltas, ok, res_f, outer_f, islands,
-                                                        weights=plan.island_weights(t_sync),
-                                                        decay=plan.cfg.error_decay)
+    # unchecked, ids + t >= 0 stands in for `finite`: always true, but like the flags it varies
+    # over the islands and is read from the event loop's own copy of t (see `checked_again`),
+    # so that XLA keeps the count's collective inside the loop
+    sent = ~missing & (finite if checked else islands.ids() + t_sync >= 0)
+    mean, count, res_f, err = sync.mean_pseudo_gradient(cfg.codec, deltas, sent, res_f, outer_f, islands,
+                                                        weights=weights, decay=cfg.error_decay)
     if residual is not None:
         residual = islands.map(lambda r, e: frags.put(r, f, e), residual, res_f)
+    pg_norm = sync.tree_norm(mean)
+    trusted = jnp.asarray(True)
+    if not checked:
+        trusted = jnp.isfinite(pg_norm) & (count == plan.num_islands)
+        finite = islands.local(jnp.ones((islands.local_count,), bool))
+    # a loop of zero or one trip, not a select: the outer state is updated in place and the
+    # mean read once (t_sync >= 0 always; it keeps XLA from folding a loop of known count)
+    no_update = jnp.zeros((), jnp.float32)
+    outer, outer_opt, update_norm = when((count > 0) & trusted & (t_sync >= 0), 0, [partial(outer_update, plan, f)],
+                                         (outer, outer_opt, no_update), mean)
+    return outer, outer_opt, residual, SyncMetrics(pg_norm, update_norm, count, err), finite, trusted
+
+
+def outer_update(plan: Plan, f: int, carry, mean):
+    """One outer step on fragment f from the mean pseudo-gradient: (outer, its optimizer
+    states, the update's norm)."""
+    outer, outer_opt, _ = carry
+    frags = plan.fragments
+    outer_f = frags.take(params(outer), f)
     new_f, new_opt, update = sync.outer_step(plan.outer_optimizer, mean, outer_opt[f], outer_f)
-    anyone = count > 0
-    report = SyncMetrics(sync.tree_norm(mean), jnp.where(anyone, sync.tree_norm(update), 0.0), count, err)
-    # the outer state is written after its norms have read it, so XLA writes it in place
-    anyone = anyone | (jnp.minimum(report.pseudo_grad_norm, report.outer_update_norm) < 0)
-    new_f = sync.keep_if(anyone, new_f, outer_f)
-    new_opt = sync.keep_if(anyone, new_opt, outer_opt[f])
     outer_opt = (*outer_opt[:f], new_opt, *outer_opt[f + 1:])
-    return frags.put(outer, f, new_f), outer_opt, residual, report
+    return frags.put(outer, f, new_f), outer_opt, sync.tree_norm(update)
 
 
-def sync_fragment(plan: Plan, f: int, t, inner, outer, outer_opt, residual):
+def sync_fragment(plan: Plan, f: int, t, inner, outer, outer_opt, residual, checked: bool = True):
     """Sync of fragment f inside step t: pseudo-gradients, exchange, outer step."""
     with jax.named_scope(f"fragment_{f}"):
         deltas, finite = island_deltas(plan, f, inner, outer)
-        return exchange_fragment(plan, f, t, deltas, finite, outer, outer_opt, residual)
+        return exchange_fragment(plan, f, t, deltas, finite, outer, outer_opt, residual, checked)
 
 
-def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, residual):
+def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, residual, checked: bool = True):
     """The exchange of the sync stashed at `t_sync` (the previous step): reads only the stash
     and the outer state, never this step's inner work."""
     with jax.named_scope(f"fragment_{f}"):
@@ -282,7 +307,7 @@ def exchange_stashed(plan: Plan, f: int, t_sync, pending, outer, outer_opt, resi
         deltas = plan.islands.map(lambda row: plan.stash.unpack(row, like), plan.pin_stash(pending))
         deltas = plan.pin_islands(deltas, like_outer=True)
         finite = plan.islands.map(sync.all_finite, deltas)  # of a finite outer fragment: the island's
-        return exchange_fragment(plan, f, t_sync, deltas, finite, outer, outer_opt, residual)
+        return exchange_fragment(plan, f, t_sync, deltas, finite, outer, outer_opt, residual, checked)
 
 
 def stash_fragment(plan: Plan, f: int, pending, inner, outer):
@@ -293,31 +318,47 @@ def stash_fragment(plan: Plan, f: int, pending, inner, outer):
 
 
 def no_exchange(plan: Plan, outer, outer_opt, residual):
-    zeros = SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
-    return outer, outer_opt, residual, zeros
+    islands = plan.islands
+    zeros = SyncMetrics.zeros(islands, not plan.cfg.codec.lossless)
+    return outer, outer_opt, residual, zeros, islands.local(jnp.ones((islands.local_count,), bool)), jnp.asarray(True)
 
 
 def pin_exchange(plan: Plan, out):
-    outer, outer_opt, residual, report = out
-    return plan.pin_outer(outer), plan.pin_outer(outer_opt), plan.pin_islands(residual), report
+    outer, outer_opt, residual, *rest = out
+    return plan.pin_outer(outer), plan.pin_outer(outer_opt), plan.pin_islands(residual), *rest
+
+
+def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bool = False):
+    """The sync event at step `t` (of fragment f(t), if t is a sync step), taken unchecked
+    (lossless codecs), then, if it was not trusted, again checked (see `exchange_fragment`);
+    `exchange(f, t, source, outer, outer_opt, residual, checked=)` is one fragment's. With
+    `count`, the trips of both (see `when`)."""
+    p, pin, predicate = plan.schedule.num_fragments, partial(pin_exchange, plan), plan.schedule.is_sync(t)
+    lossless = plan.cfg.codec.lossless
+    branches = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=not lossless) for f in range(p)]
+    ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True)
+    if lossless:
+        again = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=True) for f in range(p)]
+        with jax.named_scope(RECHECK_SCOPE):
+            ran_again, out = when(predicate & ~out[5], f, again, out, source, t, pin=pin, count=True)
+        ran = ran + ran_again
+    return (ran, out) if count else out
 
 
 def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
-    """The direct form: the sync of fragment f(t), if t is a sync step."""
-    s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [lambda c, i, f=f: sync_fragment(plan, f, t, i, *c[:3]) for f in range(p)]
-    carry = no_exchange(plan, outer, outer_opt, residual)
-    return when(s.is_sync(t), s.fragment_at(t), branches, carry, inner, pin=partial(pin_exchange, plan))
+    """The direct form: the sync of fragment f(t), if t is a sync step: (outer, its optimizer
+    states, residual, report, which islands the sync found finite)."""
+    out = checked_again(plan, t, plan.schedule.fragment_at(t), partial(sync_fragment, plan),
+                        no_exchange(plan, outer, outer_opt, residual), inner)
+    return out[:5]
 
 
 def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual, count: bool = False):
     """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step
     (with `count`, also its trip count: see `when`)."""
-    s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [lambda c, pend, f=f: exchange_stashed(plan, f, t_sync, pend, *c[:3]) for f in range(p)]
-    carry = no_exchange(plan, outer, outer_opt, residual)
-    return when(s.is_sync(t_sync), s.fragment_at(t_sync), branches, carry, pending,
-                pin=partial(pin_exchange, plan), count=count)
+    out = checked_again(plan, t_sync, plan.schedule.fragment_at(t_sync), partial(exchange_stashed, plan),
+                        no_exchange(plan, outer, outer_opt, residual), pending, count=count)
+    return (out[0], out[1][:5]) if count else out[:5]
 
 
 def stash_stage(plan: Plan, t, inner, outer, pending, after=None):
@@ -396,11 +437,11 @@ def consensus(plan: Plan, s: DiLoCoState) -> PyTree:
 # ---------------------------------------------------------------- apply of one fragment
 
 
-def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool = False):
+def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool = False, finite=None):
     """Every island takes outer fragment f, blended with α, and says whether its own fragment
-    f was not finite: those are reset (`reset_islands`), here when the backend cannot branch
-    on island values, else by `apply_stage`. Returns (islands, their optimizer states, which
-    were found non-finite)."""
+    f was not finite (checked here, or `finite` as this step's sync of f found it): those are
+    reset (`reset_islands`), here when the backend cannot branch on island values, else by
+    `apply_stage`. Returns (islands, their optimizer states, which were found non-finite)."""
     take, put = plan.fragments.take, plan.fragments.put
     if per_island:  # delayed outer updates: each island's own outer copy
         outer_f = plan.islands.map(lambda o: take(o, f), outer)
@@ -408,15 +449,15 @@ def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool
         outer_f = plan.on_islands(take(params(outer), f))
     inner = plan.pin_islands(inner)
 
-    def one(island, o):
+    def one(island, o, ok=None):
         own = take(params(island), f)
-        bad = ~sync.all_finite(own)
+        bad = ~sync.all_finite(own) if ok is None else ~ok
         # a non-finite island keeps its fragment until its reset; reading `bad` here also
         # orders the check before the write, so the island is updated in place
         new = jax.tree.map(lambda x, y: jnp.where(bad, x, y), own, sync.blend(own, o, plan.alpha))
         return put(island, f, new), bad
 
-    inner, bad = plan.islands.map(one, inner, outer_f)
+    inner, bad = plan.islands.map(one, inner, outer_f, *(() if finite is None else (finite,)))
     if not plan.islands.local_branches:  # a branch on `bad` would gather it from every island
         return (*reset_islands(plan, bad, inner, inner_opt, outer, per_island), bad)
     return inner, inner_opt, bad
@@ -444,17 +485,18 @@ def reset_islands(plan: Plan, bad, inner, inner_opt, outer, per_island: bool = F
     return inner, jax.tree.map(lambda x, n: pick(x, n, True), inner_opt, fresh_opt)
 
 
-def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None, per_island: bool = False):
+def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None, per_island: bool = False, finite=None):
     """The apply of fragment f(t−V), if t is an apply step, and the reset of any island found
     non-finite; after the event that counted `after` (see `when`). `outer` is the outer
-    model, or with `per_island` each island's outer copy. Returns (islands, their optimizer
-    states, which were reset)."""
+    model, or with `per_island` each island's outer copy; `finite` (V = 0) says which
+    islands this step's sync found finite. Returns (islands, their optimizer states, which
+    were reset)."""
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [lambda c, o, f=f: apply_fragment(plan, f, c[0], c[1], o, per_island) for f in range(p)]
+    branches = [lambda c, o, *ok, f=f: apply_fragment(plan, f, c[0], c[1], o, per_island, *ok) for f in range(p)]
     none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
     outer = outer if per_island else params(outer)
     inner, inner_opt, bad = when(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
-                                 (inner, inner_opt, none), outer,
+                                 (inner, inner_opt, none), outer, *(() if finite is None else (finite,)),
                                  pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after)
     if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
         reset = lambda c, b, o: reset_islands(plan, b, *c, o, per_island)  # noqa: E731
@@ -474,13 +516,16 @@ def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tup
     if plan.delayed:
         return delayed_step(plan, s, t, inner, inner_opt, losses)
     with jax.named_scope("diloco_sync"):
-        outer, outer_opt, residual, report = sync_stage(plan, t, inner, s.outer, s.outer_opt_state, s.residual)
+        outer, outer_opt, residual, report, finite = sync_stage(plan, t, inner, s.outer, s.outer_opt_state,
+                                                                s.residual)
     # With V >= 1 the apply never reads the fragment synced in the same step, and an island
     # reset there takes the outer model without that sync (in the deferred form it is still
-    # in flight): both forms apply from the outer model before this step's sync.
-    applied_from = outer if plan.schedule.overlap_steps == 0 else s.outer
+    # in flight): both forms apply from the outer model before this step's sync. With V = 0
+    # the apply takes the sync's finding of which islands are finite instead of its own.
+    same_step = plan.schedule.overlap_steps == 0
     with jax.named_scope("diloco_apply"):
-        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, applied_from)
+        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer if same_step else s.outer,
+                                              finite=finite if same_step else None)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, s.pending)
     return new, StepReport(t, losses, report, reset)
 
@@ -489,7 +534,7 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
     """The exchange of the sync stashed in the previous step, then inner step, stash of this
     step's sync, and apply."""
     with jax.named_scope("diloco_sync"):
-        exchanged, (outer, outer_opt, residual, report) = exchange_stage(
+        exchanged, (outer, outer_opt, residual, report, _) = exchange_stage(
             plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual, count=True)
     t = s.step + 1
     with jax.named_scope("inner_step"):

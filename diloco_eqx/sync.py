@@ -15,7 +15,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from diloco_eqx import codecs
@@ -123,11 +122,6 @@ def tree_norm(tree: PyTree) -> Float[Array, ""]:
     if not jax.tree.leaves(tree):
         return jnp.zeros((), jnp.float32)
     return optax.tree.norm(tree).astype(jnp.float32)
-
-
-def keep_if(cond: Bool[Array, ""], new: PyTree, old: PyTree) -> PyTree:
-    """`new` where cond holds, else `old` (leaf by leaf; None leaves pass through)."""
-    return jax.tree.map(lambda a, b: lax.select(cond, a, b), new, old)
 
 
 # ---------------------------------------------------------------- the exchange

@@ -110,7 +110,7 @@ def measure(args: argparse.Namespace) -> dict:
     ring = [0.0] * schedule.num_fragments
     control = [0] * schedule.num_fragments
     for c in comms.collectives(hlo):
-        if c.fragment is not None and comms.crosses_islands(c, mesh):
+        if c.fragment is not None and not c.rechecked and comms.crosses_islands(c, mesh):
             ring[c.fragment] += c.wire_bytes
             control[c.fragment] += c.control_bytes
     # an island's bytes: every one of its n·m devices sends its piece; a device's payload

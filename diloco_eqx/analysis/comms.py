@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diloco_eqx.schedule import EVENT_SCOPE
+from diloco_eqx.schedule import EVENT_SCOPE, RECHECK_SCOPE
 
 COLLECTIVE_OPS = (
     "all-reduce",
@@ -88,6 +88,12 @@ class Collective:
         """The fragment whose sync issued it (the step's "fragment_f" scope), else None."""
         m = _FRAGMENT.search(self.op_name + "/")
         return int(m.group(1)) if m else None
+
+    @property
+    def rechecked(self) -> bool:
+        """Whether it belongs to a sync done again because its first pass was not trusted
+        (see `step.exchange_fragment`): it runs only on such syncs."""
+        return f"/{RECHECK_SCOPE}/" in self.op_name
 
     @property
     def payload_bytes(self) -> int:
@@ -316,13 +322,14 @@ def branch_computations(hlo: str) -> set[str]:
 
 def fragment_payload_bytes(hlo: str, num_fragments: int, mesh=None, across: bool = True) -> list[int]:
     """Bytes per device per sync of each fragment, measured: the payload of every collective
-    issued under that fragment's sync scope (conditional branches only). With `mesh`, only
+    issued under that fragment's sync scope (conditional branches only), but for a sync's
+    second pass, which runs only when the first was not trusted (`rechecked`). With `mesh`, only
     the collectives that cross islands (`across`) or only those inside an island (not
     `across`; e.g. gathering the outer fragment over "data" before writing it into islands)."""
     branch = branch_computations(hlo)
     per = [0] * num_fragments
     for c in collectives(hlo):
-        if c.fragment is None or (mesh is not None and crosses_islands(c, mesh) != across):
+        if c.fragment is None or c.rechecked or (mesh is not None and crosses_islands(c, mesh) != across):
             continue
         if c.computation not in branch or not 0 <= c.fragment < num_fragments:
             raise ValueError(f"collective {c.name} of fragment {c.fragment} is not inside a sync branch")

@@ -1,7 +1,9 @@
 """Island faults: dropped islands and non-finite pseudo-gradients leave the mean, against the
 NumPy reference with the same drops; an all-dropped sync changes nothing."""
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -167,3 +169,69 @@ def test_non_finite_island_is_reset_and_rejoins_under_adamw(mode):
     mu = state.inner_opt_state[0].mu
     assert np.isfinite(np.asarray(mu.embed)).all()
     assert np.asarray(state.inner_opt_state[0].count).tolist() == [18, 18]  # schedules continue
+
+
+def _exchange(islands, drops=()):
+    """One vanilla sync at t=3 of K=3 islands holding `islands` (one toy model's arrays per
+    island, stacked), taken unchecked and checked: (outer, outer optimizer states, residual,
+    report, finite, trusted) of each, and the outer model before."""
+    from diloco_eqx import step as step_lib
+
+    cfg = dl.DiLoCoConfig(num_replicas=3, sync_period=3, outer_lr=0.7, outer_momentum=0.9,
+                          drops=[(3, i) for i in drops])
+    arrays = eqx.filter(dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.1), cfg), eqx.is_array)
+    plan = dl.make_train_step(cfg, toy_loss, optax.sgd(0.1)).plan.for_model(arrays.outer)
+
+    def sync(checked):
+        return jax.jit(lambda inner: step_lib.sync_fragment(
+            plan, 0, jnp.int32(3), inner, arrays.outer, arrays.outer_opt_state, None, checked=checked))(islands)
+
+    return sync(False), sync(True), arrays.outer
+
+
+def _islands(bad=None):
+    """Three different toy models stacked as islands; island `bad` with one NaN weight."""
+    toys = [make_toy(N_LAYERS, WIDTH, seed=s) for s in (1, 2, 3)]
+    if bad is not None:
+        toys[bad] = eqx.tree_at(lambda m: m.layers.w, toys[bad], toys[bad].layers.w.at[1, 0].set(jnp.nan))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[eqx.filter(t, eqx.is_array) for t in toys])
+    return stacked, [toy_to_numpy(t) for t in toys]
+
+
+def _nesterov_first_step(outer, toys, which):
+    """The first Nesterov step (η = 0.7, β = 0.9, zero trace) on the mean pseudo-gradient of
+    the islands in `which`, by hand: θ − η(1 + β)·Δ̄."""
+    return {n: o - 0.7 * 1.9 * np.mean([o - toys[i][n] for i in which], axis=0) for n, o in outer.items()}
+
+
+@pytest.mark.parametrize("case", ["healthy", "nan_island", "dropped_island"])
+def test_unchecked_sync_is_trusted_only_when_its_norm_is_finite_and_every_island_sent(case):
+    """The exchange first averages as if every island were finite and trusts the result only
+    when the mean's norm is finite and every island sent (then it steps the outer model and
+    knows every island finite without reading a fragment twice); otherwise it changes nothing
+    and the checked pass gives the numbers of checking first."""
+    bad, drops = {"healthy": (None, ()), "nan_island": (1, ()), "dropped_island": (None, (2,))}[case]
+    stacked, toys = _islands(bad)
+    (u_outer, u_opt, _, u_report, u_finite, trusted), (c_outer, _, _, c_report, c_finite, c_trusted), before = (
+        _exchange(stacked, drops))
+    outer0 = toy_to_numpy(before)
+    which = [i for i in range(3) if i != bad and i not in drops]
+    want = _nesterov_first_step(outer0, toys, which)
+    checked = toy_to_numpy(c_outer)
+    for name in want:
+        np.testing.assert_allclose(checked[name], want[name], rtol=1e-6, atol=1e-6)
+    assert bool(c_trusted) and int(c_report.islands_contributed) == len(which)
+    assert np.asarray(c_finite).tolist() == [i != bad for i in range(3)]
+    unchecked = toy_to_numpy(u_outer)
+    if case == "healthy":
+        assert bool(trusted) and np.asarray(u_finite).tolist() == [True] * 3
+        for name in want:  # the same numbers, bit for bit
+            np.testing.assert_array_equal(unchecked[name], checked[name])
+        assert float(u_report.outer_update_norm) == float(c_report.outer_update_norm) > 0
+    else:
+        assert not bool(trusted)
+        assert np.isfinite(float(u_report.pseudo_grad_norm)) == (case == "dropped_island")
+        for name in want:  # nothing stepped: the outer model and its trace are as they were
+            np.testing.assert_array_equal(unchecked[name], outer0[name])
+        assert float(u_report.outer_update_norm) == 0.0
+        assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u_opt))
