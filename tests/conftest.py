@@ -24,7 +24,7 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax")
 )
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # eager ops too: every worker and subprocess compiles the same ones
 # tokenized corpora the tests make go beside it, not into ~/.cache/diloco_eqx
 os.environ.setdefault("DILOCO_EQX_CACHE", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "diloco_eqx"))
 

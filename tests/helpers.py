@@ -4,14 +4,15 @@ import dataclasses
 import os
 
 import numpy as np
+import pytest
 
 import diloco_eqx as dl
 from diloco_eqx.analysis.profiling import count_compilations
 from tests.conftest import QUICK_COMPILE
 from tests.reference import make_toy, np_run, toy_loss, toy_to_numpy
 
-__all__ = ["GBS", "N_LAYERS", "WIDTH", "batches", "count_compilations", "drops_of", "reference_run",
-           "run_counting_compilations", "run_jax", "subprocess_env"]
+__all__ = ["GBS", "N_LAYERS", "WIDTH", "batches", "count_compilations", "drops_of", "fast_and_slow",
+           "pairwise", "reference_run", "run_counting_compilations", "run_jax", "subprocess_env"]
 
 
 
@@ -20,6 +21,28 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
     and `devices` simulated CPU devices if given (else the process asks for its own)."""
     flags = QUICK_COMPILE + (f" --xla_force_host_platform_device_count={devices}" if devices else "")
     return {**os.environ, "XLA_FLAGS": flags, **extra}
+
+
+def pairwise(grid: list[tuple]) -> list[tuple]:
+    """A subset of `grid` (a full product of knob values) in which every pair of values of
+    any two knobs still appears together: picked greedily, in grid order, each time the point
+    covering the most pairs not yet seen. A grid of 3×2×3×3 points needs about 10 of its 54."""
+    def pairs(point):
+        return {(i, a, j, b) for i, a in enumerate(point) for j, b in enumerate(point) if i < j}
+
+    todo, chosen = set().union(*map(pairs, grid)), []
+    while todo:
+        best = max(grid, key=lambda p: len(pairs(p) & todo))
+        chosen.append(best)
+        todo -= pairs(best)
+    return [p for p in grid if p in chosen]
+
+
+def fast_and_slow(grid: list[tuple], fast: list[tuple] | None = None) -> list:
+    """`grid` as pytest parameters: the points in `fast` (default: a pairwise cover) run by
+    default, the rest only in the slow set (`pytest -m slow`)."""
+    fast = pairwise(grid) if fast is None else fast
+    return [p if p in fast else pytest.param(*p, marks=pytest.mark.slow) for p in grid]
 
 
 N_LAYERS, WIDTH, GBS = 4, 3, 8

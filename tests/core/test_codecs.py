@@ -1,6 +1,8 @@
 """Compressed pseudo-gradients: codec error bounds, payload sizes, and the step against the
 NumPy reference with quantization (and error feedback) written out independently."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 import diloco_eqx as dl
 from diloco_eqx import codecs as C
 from tests.reference import NpAdamW, NpSGD, make_toy, np_quantize, np_run, np_topk, toy_loss, toy_to_numpy
-from tests.helpers import N_LAYERS, WIDTH, batches, reference_run, run_jax
+from tests.helpers import N_LAYERS, WIDTH, batches, fast_and_slow, reference_run, run_jax
 
 FORMATS = ["bf16", "fp8", "fp4"]
 
@@ -93,9 +95,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("error_feedback", [False, True])
-@pytest.mark.parametrize("case", range(len(CASES)))
+# by default every pair of (format, error feedback, case) values once: 9 of the 18
+@pytest.mark.parametrize("fmt,error_feedback,case",
+                         fast_and_slow(list(itertools.product(FORMATS, [False, True], range(len(CASES))))))
 def test_step_matches_reference_with_compression(fmt, error_feedback, case):
     cfg = dl.DiLoCoConfig(**CASES[case], compression=fmt, error_feedback=error_feedback)
     data = batches(18)

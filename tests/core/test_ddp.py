@@ -8,6 +8,7 @@ import pytest
 import diloco_eqx as dl
 from diloco_eqx.analysis import comms
 from diloco_eqx.ddp import init_ddp_state, make_ddp_step
+from tests.helpers import fast_and_slow
 from tests.reference import make_toy, toy_loss
 
 
@@ -19,11 +20,16 @@ def data(steps):
 ISLAND_MESHES = [dict(diloco=2, data=2), dict(diloco=2, fsdp=2), dict(diloco=2, data=2, fsdp=2)]
 
 
-@pytest.mark.parametrize("k,devices", [(1, None), (2, None), (4, None), (4, 2), (4, 4)]
-                         + [(2, sizes) for sizes in ISLAND_MESHES])
-@pytest.mark.parametrize("opt", [optax.adamw(0.01), optax.sgd(0.1)], ids=["adamw", "sgd"])
+MESHES = [(1, None), (2, None), (4, None), (4, 2), (4, 4)] + [(2, sizes) for sizes in ISLAND_MESHES]
+OPTS = {"adamw": optax.adamw(0.01), "sgd": optax.sgd(0.1)}
+GRID = [(k, devices, opt) for k, devices in MESHES for opt in OPTS]
+
+
+# by default every mesh once, AdamW and SGD in turn; the slow set runs both on every mesh
+@pytest.mark.parametrize("k,devices,opt", fast_and_slow(GRID, [g for i, g in enumerate(GRID) if i % 4 in (0, 3)]))
 def test_ddp_is_full_batch_training(k, devices, opt):
     # SGD is not scale-invariant, so it catches a gradient summed instead of averaged
+    opt = OPTS[opt]
     mesh = (None if devices is None else dl.make_mesh(**devices) if isinstance(devices, dict)
             else dl.make_mesh(devices))
     state = init_ddp_state(make_toy(4, 3), opt, mesh)

@@ -1,11 +1,12 @@
 """Islands that span several devices: (diloco × data × fsdp) meshes on 8 simulated devices.
 
-The step on every island mesh equals the one-device step and the NumPy reference; it
-compiles once and keeps the state's layout; inside an island the gradient reductions run
+The step on every island mesh equals the NumPy reference (which the one-device step equals:
+test_step); it compiles once and keeps the state's layout; inside an island the gradient reductions run
 every step, across islands only the syncs' collectives, on 1/m of a fragment per device
 with fsdp = m."""
 
 import collections
+import functools
 import itertools
 import math
 
@@ -71,7 +72,7 @@ def reference(cfg, data):
     "mesh_name,per_device,config",
     [g if g in FAST else pytest.param(*g, marks=pytest.mark.slow) for g in GRID],
 )
-def test_island_mesh_equals_one_device_and_the_reference(mesh_name, per_device, config):
+def test_island_mesh_equals_the_reference(mesh_name, per_device, config):
     mesh = dl.make_mesh(**MESHES[mesh_name])
     k = mesh.shape["diloco"] * per_device
     settings = dict(CONFIGS[config])
@@ -80,12 +81,10 @@ def test_island_mesh_equals_one_device_and_the_reference(mesh_name, per_device, 
     cfg = dl.DiLoCoConfig(num_replicas=k, **settings)
     data = data_for(k)  # 18 steps: 3·H_eff for the streaming configs, 4.5·H for vanilla
     losses, outer, state = run(cfg, mesh, data)
-    one_losses, one_outer, _ = run(cfg, None, data)
     ref_losses, ref_outer, ref_islands = reference(cfg, data)
-    for want_losses, want_outer in ((one_losses, one_outer), (ref_losses, ref_outer)):
-        np.testing.assert_allclose(losses, want_losses, rtol=2e-5, atol=2e-5)
-        for name, got in outer.items():
-            np.testing.assert_allclose(got, want_outer[name], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
+    for name, got in outer.items():
+        np.testing.assert_allclose(got, ref_outer[name], rtol=2e-5, atol=2e-5)
     for i, isl in enumerate(ref_islands):
         for name, got in toy_to_numpy(state.island(i)).items():
             np.testing.assert_allclose(got, isl[name], rtol=2e-5, atol=2e-5)
@@ -118,19 +117,33 @@ def test_compiles_once_and_keeps_the_layout(mesh_name):
     assert traces and all(split_over(x) == sizes_over_1("data", "fsdp") for x in traces)
 
 
-def test_what_crosses_islands_and_what_stays_inside():
-    """Transformer, Streaming P=3, mesh 2 × data 2 × fsdp 2: gradient reductions over "data"
-    run on every step; every collective over "diloco" sits in a sync branch and moves a
-    quarter of its fragment's bytes per device: the outer copy is split over all 4 devices of
-    an island, so each island sends each fragment once, not once per data replica."""
+@functools.cache
+def compiled_transformer_step(mesh_name: str, config: str | None):
+    """The compiled step of a 2-layer Transformer on an island mesh, two islands, AdamW: plain
+    training's (config None) or DiLoCo's with CONFIGS[config] at H = 6. Cached: the HLO tests
+    below read the same few programs (and run on one worker, so compile each once)."""
+    from diloco_eqx.analysis.plain import make_plain_step
     from models.transformer import Transformer, TransformerConfig, loss_fn
 
     model = Transformer(TransformerConfig(num_layers=2, width=32, num_heads=2, seq_len=16), jax.random.key(0))
-    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3)
-    mesh = dl.make_mesh(diloco=2, data=2, fsdp=2)
-    inner = optax.adamw(1e-3)
-    state = dl.init_state(model, inner, cfg, mesh)
-    hlo = dl.make_train_step(cfg, loss_fn, inner, mesh).lower(state, np.zeros((8, 17), np.int32)).compile().as_text()
+    mesh, inner, batch = dl.make_mesh(**MESHES[mesh_name]), optax.adamw(1e-3), np.zeros((8, 17), np.int32)
+    if config is None:
+        state, step = make_plain_step(model, loss_fn, inner, 2, mesh)
+    else:
+        cfg = dl.DiLoCoConfig(num_replicas=2, **{**CONFIGS[config], "sync_period": 6})
+        state, step = dl.init_state(model, inner, cfg, mesh), dl.make_train_step(cfg, loss_fn, inner, mesh)
+    return model, mesh, step.lower(state, batch).compile()
+
+
+@pytest.mark.xdist_group("island_mesh_hlo")
+def test_what_crosses_islands_and_what_stays_inside():
+    """Transformer, Streaming P=3 (V=1), mesh 2 × data 2 × fsdp 2: gradient reductions over
+    "data" run on every step; every collective over "diloco" sits in a sync branch and moves
+    a quarter of its fragment's bytes per device: the outer copy is split over all 4 devices
+    of an island, so each island sends each fragment once, not once per data replica."""
+    model, mesh, step = compiled_transformer_step("2x2datax2fsdp", "v1_alpha05")
+    cfg = dl.DiLoCoConfig(num_replicas=2, **{**CONFIGS["v1_alpha05"], "sync_period": 6})
+    hlo = step.as_text()
     always, branch = comms.unconditional_computations(hlo), comms.branch_computations(hlo)
     found = comms.collectives(hlo)
     across = [c for c in found if "diloco" in c.axes(mesh)]
@@ -146,6 +159,7 @@ def test_what_crosses_islands_and_what_stays_inside():
     assert again == per_device
 
 
+@pytest.mark.xdist_group("island_mesh_hlo")
 @pytest.mark.parametrize("mesh_name", [pytest.param("2x2data", marks=pytest.mark.slow),
                                        pytest.param("2x2fsdp", marks=pytest.mark.slow), "2x2datax2fsdp"])
 def test_memory_per_device(mesh_name):
@@ -153,26 +167,22 @@ def test_memory_per_device(mesh_name):
     the islands' state is plain training's, byte for byte; DiLoCo adds the outer model and
     its trace, split over the island's n·m devices (2·|Θ|·4/(n·m)); no extra temporaries."""
     from diloco_eqx.analysis import profiling
-    from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import Transformer, TransformerConfig, count_params, loss_fn
+    from models.transformer import count_params
 
-    model = Transformer(TransformerConfig(num_layers=2, width=64, num_heads=2, seq_len=16), jax.random.key(0))
-    mesh = dl.make_mesh(**MESHES[mesh_name])
-    cfg, inner, batch = dl.DiLoCoConfig(num_replicas=2, sync_period=10), optax.adamw(1e-3), np.zeros((8, 17), np.int32)
-    plain_state, plain_step = make_plain_step(model, loss_fn, inner, 2, mesh)
-    plain = profiling.memory(plain_step.lower(plain_state, batch).compile())
-    state = dl.init_state(model, inner, cfg, mesh)
-    diloco = profiling.memory(dl.make_train_step(cfg, loss_fn, inner, mesh).lower(state, batch).compile())
+    model, mesh, plain_step = compiled_transformer_step(mesh_name, None)
+    plain = profiling.memory(plain_step)
+    diloco = profiling.memory(compiled_transformer_step(mesh_name, "vanilla")[2])
     split = mesh.shape["data"] * mesh.shape["fsdp"]  # every leaf of this model divides by 4
     extra = diloco["argument_bytes"] - plain["argument_bytes"]
     assert abs(extra - 2 * count_params(model) * 4 / split) < 64  # the step counter and scalars
     assert diloco["temp_bytes"] <= 1.02 * plain["temp_bytes"]
 
 
-@pytest.mark.parametrize("mesh_name,config", [("2x2data", "v1_alpha05"),
+@pytest.mark.xdist_group("island_mesh_hlo")
+@pytest.mark.parametrize("mesh_name,config", [("2x2datax2fsdp", "v1_alpha05"),
                                               pytest.param("2x2datax2fsdp", "vanilla", marks=pytest.mark.slow),
                                               pytest.param("2x2data", "vanilla", marks=pytest.mark.slow),
-                                              pytest.param("2x2datax2fsdp", "v1_alpha05", marks=pytest.mark.slow)])
+                                              pytest.param("2x2data", "v1_alpha05", marks=pytest.mark.slow)])
 def test_steps_without_an_event_communicate_and_copy_like_plain_training(mesh_name, config):
     """The collectives that run on every step are exactly plain training's on the same
     island mesh (the inner step's reductions inside each island): the state is never
@@ -181,22 +191,15 @@ def test_steps_without_an_event_communicate_and_copy_like_plain_training(mesh_na
     scalars): the events' loops update the state in place (a conditional passing the outer
     model through copied it, +2·|Θ|·4/(n·m) bytes per step); the only extra copies are
     scalars and per-island flags."""
-    from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import Transformer, TransformerConfig, loss_fn
-
-    model = Transformer(TransformerConfig(num_layers=2, width=32, num_heads=2, seq_len=16), jax.random.key(0))
-    mesh, inner, batch = dl.make_mesh(**MESHES[mesh_name]), optax.adamw(1e-3), np.zeros((8, 17), np.int32)
     cfg = dl.DiLoCoConfig(num_replicas=2, **{**CONFIGS[config], "sync_period": 6})
+    _, mesh, plain_step = compiled_transformer_step(mesh_name, None)
+    plain_hlo, hlo = plain_step.as_text(), compiled_transformer_step(mesh_name, config)[2].as_text()
 
     def every_step(hlo):
         always = comms.unconditional_computations(hlo)
         return sorted((c.kind, tuple(sorted(c.axes(mesh))), c.payload_bytes)
                       for c in comms.collectives(hlo) if c.computation in always)
 
-    plain_state, plain_step = make_plain_step(model, loss_fn, inner, 2, mesh)
-    plain_hlo = plain_step.lower(plain_state, batch).compile().as_text()
-    state = dl.init_state(model, inner, cfg, mesh)
-    hlo = dl.make_train_step(cfg, loss_fn, inner, mesh).lower(state, batch).compile().as_text()
     assert every_step(plain_hlo) and every_step(hlo) == every_step(plain_hlo)
     extra = collections.Counter(comms.every_step_copies(hlo)) - collections.Counter(comms.every_step_copies(plain_hlo))
     # at most scalars and per-island flags: the events' loop counters and masks

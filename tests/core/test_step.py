@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from tests.helpers import N_LAYERS, WIDTH, batches, count_compilations, reference_run, run_jax
+from tests.helpers import N_LAYERS, WIDTH, batches, count_compilations, fast_and_slow, reference_run, run_jax
 from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
 
 def assert_matches_reference(cfg, inner_jax, inner_np, steps):
@@ -33,7 +33,8 @@ STREAMING_GRID = list(
 )
 
 
-@pytest.mark.parametrize("k,order,v,alpha", STREAMING_GRID)
+# by default every pair of knob values once (9 configs); the slow set runs all 54
+@pytest.mark.parametrize("k,order,v,alpha", fast_and_slow(STREAMING_GRID))
 def test_streaming_matches_reference_sgd(k, order, v, alpha):
     # H=6, P=3: Δh=2, H_eff=6; 3·H_eff = 18 steps.
     cfg = dl.DiLoCoConfig(

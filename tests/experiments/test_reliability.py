@@ -115,6 +115,7 @@ def test_damaged_checkpoint_is_passed_over_on_resume(tmp_path, capsys):
     assert sorted(os.listdir(out / "checkpoints")) == ["damaged-2", "damaged-4"]
 
 
+@pytest.mark.slow  # end to end: a training run and its resume
 def test_resume_drops_a_metrics_line_cut_short(tmp_path):
     """A crash or a full disk can cut the last line of metrics.jsonl; resume drops it."""
     out = tmp_path / "run"

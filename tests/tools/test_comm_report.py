@@ -15,6 +15,11 @@ FRAG0, LAYER = 256 * 32 + 16 * 32 + 32 + 32 * 256, 2 * 32 + 32 * 96 + 32 * 32 + 
 TOTAL = FRAG0 + 2 * LAYER
 
 
+# the measurements compile several steps each: one worker runs these tests and measures
+# each set of flags once
+pytestmark = pytest.mark.xdist_group("comm_report")
+
+
 @functools.cache
 def report(*extra):
     return comm_report.measure(comm_report.build_parser().parse_args(SMALL + list(extra)))
@@ -48,12 +53,18 @@ def test_compressed_bytes(vanilla):
         assert c["collective_bytes"] == a["params"] // 2 + 4 * n  # every leaf has an even size
 
 
-def test_cli_writes_json(tmp_path, capsys):
+def test_cli_writes_json(tmp_path, capsys, monkeypatch):
+    """The CLI prints the report and writes its JSON (the measurement, with the flags the CLI
+    parsed, is the one test_compressed_bytes checks: reused, not compiled again)."""
     out = tmp_path / "comm.json"
-    assert comm_report.main(SMALL + ["--compression", "fp8", "--json", str(out)]) == 0
+    flags = ("--num-fragments", "3", "--compression", "bf16")
+    parsed = []
+    monkeypatch.setattr(comm_report, "measure", lambda args: parsed.append(args) or report(*flags))
+    assert comm_report.main(SMALL + [*flags, "--json", str(out)]) == 0
+    assert parsed[0] == comm_report.build_parser().parse_args(SMALL + [*flags, "--json", str(out)])
     r = json.loads(out.read_text())
     assert set(r) >= {"param_bytes", "fragments", "vanilla_collective_bytes"}
-    assert [f["collective_bytes"] for f in r["fragments"]] == [FRAG0 + 4 * 4, LAYER + 4 * 6, LAYER + 4 * 6]
+    assert [f["collective_bytes"] for f in r["fragments"]] == [2 * FRAG0, 2 * LAYER, 2 * LAYER]
     text = capsys.readouterr().out
     assert "per fragment" in text and "DDP" in text and "vanilla DiLoCo, H=30" in text
 
