@@ -1,7 +1,6 @@
 """The steps' compiler options: XLA:CPU's instruction order, chosen by `cpu_scheduler`, reaches
 the compiler and changes where buffers live, never a number."""
 
-import jax
 import numpy as np
 import optax
 import pytest
@@ -9,9 +8,8 @@ import pytest
 import diloco_eqx as dl
 from diloco_eqx.analysis import profiling
 from diloco_eqx.compiler import step_options
-from models.transformer import Transformer, TransformerConfig, loss_fn
 from tests.helpers import batches, reference_run, run_jax
-from tests.reference import NpAdamW, toy_to_numpy
+from tests.reference import NpAdamW, make_toy, toy_loss, toy_to_numpy
 
 MEMORY = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 CONCURRENCY = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_CONCURRENCY_OPTIMIZED"}
@@ -56,12 +54,12 @@ def test_the_memory_order_gives_the_reference_numbers():
 
 def test_the_order_reaches_the_compiler():
     """The same Streaming step compiled under the two orders places its buffers differently."""
-    model = Transformer(TransformerConfig(num_layers=2, width=16, num_heads=2, seq_len=8), jax.random.key(0))
+    model = make_toy(4, 16)
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3, overlap_steps=1)
-    inner, batch = optax.adamw(1e-3), np.zeros((4, 9), np.int32)
+    inner, batch = optax.adamw(1e-3), np.zeros((4, 16), np.float32)
     temps = {}
     for order in ("memory", "concurrency"):
         with dl.cpu_scheduler(order):
-            step = dl.make_train_step(cfg, loss_fn, inner)
+            step = dl.make_train_step(cfg, toy_loss, inner)
         temps[order] = profiling.memory(step.lower(dl.init_state(model, inner, cfg), batch).compile())["temp_bytes"]
     assert temps["memory"] != temps["concurrency"], temps

@@ -15,7 +15,7 @@ import pytest
 
 import diloco_eqx as dl
 from tests.reference import NpAdamW, NpScheduledSGD, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
-from tests.helpers import N_LAYERS, WIDTH, batches
+from tests.helpers import N_LAYERS, WIDTH, batches, fast_and_slow
 
 DTYPES = {"float32": (jnp.float32, None), "bfloat16": (jnp.bfloat16, ml_dtypes.bfloat16),
           "float16": (jnp.float16, np.float16)}
@@ -73,8 +73,8 @@ def test_low_precision_matches_reference(dtype, fmt, mode):
     assert trace and all(x.dtype == jnp.float32 for x in trace)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("mode", ["vanilla", "streaming_v1"])
+@pytest.mark.parametrize("dtype,mode", fast_and_slow(list(itertools.product(["bfloat16", "float16"], ["vanilla", "streaming_v1"])),
+                                                     [("bfloat16", "streaming_v1"), ("float16", "vanilla")]))
 def test_outer_in_parameter_dtype(dtype, mode):
     """outer_dtype="param" keeps the outer model and trace in the parameters' dtype."""
     cfg = dl.DiLoCoConfig(num_replicas=2, compression="fp8", outer_dtype="param", **MODES[mode])
@@ -134,8 +134,8 @@ OUTER = {
 }
 
 
-@pytest.mark.parametrize("name", list(OUTER))
-@pytest.mark.parametrize("v", [0, 1])
+@pytest.mark.parametrize("name,v", fast_and_slow(list(itertools.product(OUTER, [0, 1])),
+                                                  [("adam", 1), ("sgd_schedule", 0)]))
 def test_any_outer_optimizer_with_one_state_per_fragment(name, v):
     """Outer Adam and outer SGD with a learning-rate schedule, streaming P=3: each fragment's
     optimizer state advances only on its own syncs (Adam's count is 3 per fragment after

@@ -24,6 +24,7 @@ def importable(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
+@pytest.mark.slow  # end to end: a run and its resume (test_extending trains the same way in the fast set)
 def test_own_model_trains_checkpoints_and_resumes_exactly(tmp_path, importable):
     out = tmp_path / "run"
     assert train.main([*ARGS, "--out", str(out)]) == 0

@@ -48,6 +48,7 @@ def test_tiny_run_writes_everything(tmp_path):
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [6, 12]
 
 
+@pytest.mark.slow  # two end-to-end runs
 def test_ddp_and_vanilla_modes_run(tmp_path):
     for extra in (["--mode", "ddp"], ["--no-streaming", "--sync-period", "3"]):
         out = tmp_path / extra[1]

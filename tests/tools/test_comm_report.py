@@ -21,8 +21,8 @@ pytestmark = pytest.mark.xdist_group("comm_report")
 
 
 @functools.cache
-def report(*extra):
-    return comm_report.measure(comm_report.build_parser().parse_args(SMALL + list(extra)))
+def report(*extra, measure=comm_report.measure):  # the real one, whatever a test patches in
+    return measure(comm_report.build_parser().parse_args(SMALL + list(extra)))
 
 
 def test_float32_bytes_are_the_parameter_bytes():
@@ -38,7 +38,8 @@ def test_float32_bytes_are_the_parameter_bytes():
         assert f["formula_bytes"] == 2 * f["param_bytes"]
 
 
-@pytest.mark.parametrize("vanilla", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # three measurements; test_islands checks fp4's bytes in the fast set
+@pytest.mark.parametrize("vanilla", [False, True])
 def test_compressed_bytes(vanilla):
     flags = ["--no-streaming"] if vanilla else ["--num-fragments", "3"]
     f32 = report(*flags)["fragments"]
@@ -55,16 +56,17 @@ def test_compressed_bytes(vanilla):
 
 def test_cli_writes_json(tmp_path, capsys, monkeypatch):
     """The CLI prints the report and writes its JSON (the measurement, with the flags the CLI
-    parsed, is the one test_compressed_bytes checks: reused, not compiled again)."""
+    parsed, is the one test_float32_bytes_are_the_parameter_bytes checks: reused, not
+    compiled again)."""
     out = tmp_path / "comm.json"
-    flags = ("--num-fragments", "3", "--compression", "bf16")
+    flags = ("--num-fragments", "3")
     parsed = []
     monkeypatch.setattr(comm_report, "measure", lambda args: parsed.append(args) or report(*flags))
     assert comm_report.main(SMALL + [*flags, "--json", str(out)]) == 0
     assert parsed[0] == comm_report.build_parser().parse_args(SMALL + [*flags, "--json", str(out)])
     r = json.loads(out.read_text())
     assert set(r) >= {"param_bytes", "fragments", "vanilla_collective_bytes"}
-    assert [f["collective_bytes"] for f in r["fragments"]] == [2 * FRAG0, 2 * LAYER, 2 * LAYER]
+    assert [f["collective_bytes"] for f in r["fragments"]] == [4 * FRAG0, 4 * LAYER, 4 * LAYER]
     text = capsys.readouterr().out
     assert "per fragment" in text and "DDP" in text and "vanilla DiLoCo, H=30" in text
 
