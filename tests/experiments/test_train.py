@@ -123,9 +123,17 @@ def test_bad_flags_are_usage_errors(tmp_path, capsys, argv, message):
     assert not out.exists()
 
 
-def test_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, capsys):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    """A finished 2-step run of TINY, trained once for the tests below (each takes a copy)."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
     assert train.main(TINY + ["--steps", "2", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.xdist_group("two_step_run")
+def test_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, capsys, two_step_run):
+    out = Path(shutil.copytree(two_step_run, tmp_path / "run"))
     assert train.main(TINY + ["--steps", "2", "--out", str(out)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert train.main(TINY + ["--steps", "4", "--lr", "0.1", "--out", str(out), "--resume"]) == 2
@@ -217,10 +225,9 @@ def test_sigterm_checkpoints_the_step_in_flight_and_resumes_exactly(tmp_path, un
     _same_losses(rows(out), uninterrupted)
 
 
-def test_resume_refuses_a_changed_step_count(tmp_path, capsys):
-    out = tmp_path / "run"
-    assert train.main(TINY + ["--steps", "2", "--out", str(out)]) == 0
-    capsys.readouterr()
+@pytest.mark.xdist_group("two_step_run")
+def test_resume_refuses_a_changed_step_count(tmp_path, capsys, two_step_run):
+    out = Path(shutil.copytree(two_step_run, tmp_path / "run"))
     assert train.main(TINY + ["--steps", "4", "--out", str(out), "--resume"]) == 2
     err = capsys.readouterr().err
     assert "steps: 2 -> 4" in err and "length of the learning-rate schedule" in err
