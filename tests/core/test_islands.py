@@ -120,7 +120,7 @@ def test_backends_equal_the_reference_and_each_other(mesh_name, name):
         assert_close(got, ref)
 
 
-@pytest.mark.parametrize("mesh_name", ["1d", "2x2datax2fsdp"])
+@pytest.mark.parametrize("mesh_name", [pytest.param("1d", marks=pytest.mark.slow), "2x2datax2fsdp"])
 def test_drjax_compiles_once_and_keeps_the_layout(mesh_name):
     """Over 2·H_eff steps (every schedule position): one compilation, the state's shardings
     unchanged, the old state's buffers donated."""

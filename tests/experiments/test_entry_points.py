@@ -17,10 +17,11 @@ def _run(args, cwd):
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
-# by default each script as a file, and the training script as a module too (each run is a
-# fresh interpreter importing jax); the slow set runs every script as a module
-@pytest.mark.parametrize("name,form", [(n, "file") for n in SCRIPTS] + [
-    (n, "module") if n == "train" else pytest.param(n, "module", marks=pytest.mark.slow) for n in SCRIPTS])
+# by default the training script and one sweep script, each as a file and as a module (each
+# run is a fresh interpreter importing jax); the slow set runs every script both ways
+@pytest.mark.parametrize("name,form", [
+    (n, f) if n in ("train", "sweep_overlap") else pytest.param(n, f, marks=pytest.mark.slow)
+    for n in SCRIPTS for f in ("file", "module")])
 def test_experiment_scripts_run_as_files_and_modules_outside_the_repo(name, form, tmp_path):
     args = ([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--help"] if form == "file"
             else [sys.executable, "-m", f"experiments.{name}", "--help"])

@@ -100,6 +100,7 @@ def test_island_mesh_flags_are_checked(capsys):
     assert "--data-parallel=3 must divide each island's batch" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # three compiled steps; the codec's byte count itself: test_codecs
 def test_topk_payload_measured_in_the_hlo_is_the_codecs_count():
     """SparseLoCo's all-gather, read out of the compiled step: each island's payload is
     exactly the codec's values + indices + scales for its tensors, and the formula column is
