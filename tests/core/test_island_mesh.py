@@ -121,14 +121,14 @@ def test_compiles_once_and_keeps_the_layout(mesh_name):
 
 
 @functools.cache
-def compiled_transformer_step(mesh_name: str, config: str | None):
+def compiled_transformer_step(mesh_name: str, config: str | None, width: int = 32):
     """The compiled step of a 2-layer Transformer on an island mesh, two islands, AdamW: plain
     training's (config None) or DiLoCo's with CONFIGS[config] at H = 6. Cached: the HLO tests
     below read the same few programs (and run on one worker, so compile each once)."""
     from diloco_eqx.analysis.plain import make_plain_step
     from models.transformer import Transformer, TransformerConfig, loss_fn
 
-    model = Transformer(TransformerConfig(num_layers=2, width=32, num_heads=2, seq_len=16), jax.random.key(0))
+    model = Transformer(TransformerConfig(num_layers=2, width=width, num_heads=2, seq_len=16), jax.random.key(0))
     mesh, inner, batch = dl.make_mesh(**MESHES[mesh_name]), optax.adamw(1e-3), np.zeros((8, 17), np.int32)
     if config is None:
         state, step = make_plain_step(model, loss_fn, inner, 2, mesh)
@@ -172,9 +172,10 @@ def test_memory_per_device(mesh_name):
     from diloco_eqx.analysis import profiling
     from models.transformer import count_params
 
-    model, mesh, plain_step = compiled_transformer_step(mesh_name, None)
+    # width 64: a model whose temporaries dwarf the step's fixed few KB of scalars and flags
+    model, mesh, plain_step = compiled_transformer_step(mesh_name, None, 64)
     plain = profiling.memory(plain_step)
-    diloco = profiling.memory(compiled_transformer_step(mesh_name, "vanilla")[2])
+    diloco = profiling.memory(compiled_transformer_step(mesh_name, "vanilla", 64)[2])
     split = mesh.shape["data"] * mesh.shape["fsdp"]  # every leaf of this model divides by 4
     extra = diloco["argument_bytes"] - plain["argument_bytes"]
     assert abs(extra - 2 * count_params(model) * 4 / split) < 64  # the step counter and scalars
