@@ -11,7 +11,7 @@ from diloco_eqx.analysis.profiling import count_compilations
 from tests.conftest import QUICK_COMPILE
 from tests.reference import make_toy, np_run, toy_loss, toy_to_numpy
 
-__all__ = ["GBS", "N_LAYERS", "WIDTH", "batches", "count_compilations", "drops_of", "fast_and_slow",
+__all__ = ["GBS", "N_LAYERS", "WIDTH", "alternating", "batches", "count_compilations", "drops_of", "fast_and_slow",
            "pairwise", "reference_run", "run_counting_compilations", "run_jax", "subprocess_env"]
 
 
@@ -26,7 +26,7 @@ def subprocess_env(devices: int | None = None, **extra: str) -> dict[str, str]:
 def pairwise(grid: list[tuple]) -> list[tuple]:
     """A subset of `grid` (a full product of knob values) in which every pair of values of
     any two knobs still appears together: picked greedily, in grid order, each time the point
-    covering the most pairs not yet seen. A grid of 3×2×3×3 points needs about 10 of its 54."""
+    covering the most pairs not yet seen (9 of the 54 points of a 3×2×3×3 grid)."""
     def pairs(point):
         return {(i, a, j, b) for i, a in enumerate(point) for j, b in enumerate(point) if i < j}
 
@@ -36,6 +36,12 @@ def pairwise(grid: list[tuple]) -> list[tuple]:
         chosen.append(best)
         todo -= pairs(best)
     return [p for p in grid if p in chosen]
+
+
+def alternating(grid: list[tuple]) -> list[tuple]:
+    """One point per setting of all knobs but the last, which has two values: the last knob's
+    values in turn (`grid` ordered as a product, the last knob fastest)."""
+    return [grid[2 * j + j % 2] for j in range(len(grid) // 2)]
 
 
 def fast_and_slow(grid: list[tuple], fast: list[tuple] | None = None) -> list:

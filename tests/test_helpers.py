@@ -2,7 +2,7 @@
 
 import itertools
 
-from tests.helpers import pairwise
+from tests.helpers import alternating, pairwise
 
 
 def test_pairwise_covers_every_pair_of_knob_values():
@@ -12,3 +12,8 @@ def test_pairwise_covers_every_pair_of_knob_values():
     for i, j in itertools.combinations(range(4), 2):
         want = {(p[i], p[j]) for p in grid}
         assert {(p[i], p[j]) for p in chosen} == want, (i, j)
+
+
+def test_alternating_takes_each_setting_once_and_the_last_knob_in_turn():
+    grid = list(itertools.product(["x", "y", "z"], ["listed", "coin"]))
+    assert alternating(grid) == [("x", "listed"), ("y", "coin"), ("z", "listed")]

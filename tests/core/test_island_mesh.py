@@ -120,6 +120,11 @@ def test_compiles_once_and_keeps_the_layout(mesh_name):
     assert traces and all(split_over(x) == sizes_over_1("data", "fsdp") for x in traces)
 
 
+def hlo_config(config: str) -> dl.DiLoCoConfig:
+    """CONFIGS[config] for the HLO tests' two islands, at H = 6."""
+    return dl.DiLoCoConfig(num_replicas=2, **{**CONFIGS[config], "sync_period": 6})
+
+
 @functools.cache
 def compiled_transformer_step(mesh_name: str, config: str | None, width: int = 32):
     """The compiled step of a 2-layer Transformer on an island mesh, two islands, AdamW: plain
@@ -133,7 +138,7 @@ def compiled_transformer_step(mesh_name: str, config: str | None, width: int = 3
     if config is None:
         state, step = make_plain_step(model, loss_fn, inner, 2, mesh)
     else:
-        cfg = dl.DiLoCoConfig(num_replicas=2, **{**CONFIGS[config], "sync_period": 6})
+        cfg = hlo_config(config)
         state, step = dl.init_state(model, inner, cfg, mesh), dl.make_train_step(cfg, loss_fn, inner, mesh)
     return model, mesh, step.lower(state, batch).compile()
 
@@ -145,8 +150,7 @@ def test_what_crosses_islands_and_what_stays_inside():
     a quarter of its fragment's bytes per device: the outer copy is split over all 4 devices
     of an island, so each island sends each fragment once, not once per data replica."""
     model, mesh, step = compiled_transformer_step("2x2datax2fsdp", "v1_alpha05")
-    cfg = dl.DiLoCoConfig(num_replicas=2, **{**CONFIGS["v1_alpha05"], "sync_period": 6})
-    hlo = step.as_text()
+    cfg, hlo = hlo_config("v1_alpha05"), step.as_text()
     always, branch = comms.unconditional_computations(hlo), comms.branch_computations(hlo)
     found = comms.collectives(hlo)
     across = [c for c in found if "diloco" in c.axes(mesh)]
@@ -195,7 +199,7 @@ def test_steps_without_an_event_communicate_and_copy_like_plain_training(mesh_na
     scalars): the events' loops update the state in place (a conditional passing the outer
     model through copied it, +2·|Θ|·4/(n·m) bytes per step); the only extra copies are
     scalars and per-island flags."""
-    cfg = dl.DiLoCoConfig(num_replicas=2, **{**CONFIGS[config], "sync_period": 6})
+    cfg = hlo_config(config)
     _, mesh, plain_step = compiled_transformer_step(mesh_name, None)
     plain_hlo, hlo = plain_step.as_text(), compiled_transformer_step(mesh_name, config)[2].as_text()
 
