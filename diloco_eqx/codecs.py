@@ -69,9 +69,12 @@ class AbstractCodec(eqx.Module):
 
 
 def _scale(x: Float[Array, " n"], top: float) -> Float[Array, ""]:
-    """max |x| / top, or 1 when x is all zeros (so x / scale stays 0)."""
+    """max |x| / top, or 1 when x is all zeros (so x / scale stays 0).
+
+    Written as max |x| times the float32 reciprocal of `top`: under jit XLA turns a division
+    by a constant into that product, so this form gives the same scale compiled or not."""
     m = jnp.max(jnp.abs(x)) if x.size else jnp.zeros((), jnp.float32)
-    return jnp.where(m > 0, m / top, 1.0).astype(jnp.float32)
+    return jnp.where(m > 0, m * np.float32(1.0 / top), 1.0).astype(jnp.float32)
 
 
 class Float32(AbstractCodec):

@@ -395,13 +395,14 @@ FP4_LEVELS = np.array([0.0] + [2.0**e for e in range(-6, 1)])
 
 def np_quantize(x: np.ndarray, fmt: str) -> np.ndarray:
     """What the other islands receive for tensor x, computed without the codec: nearest
-    representable value by exhaustive search (fp4) or an ml_dtypes cast (bf16, fp8)."""
+    representable value by exhaustive search (fp4) or an ml_dtypes cast (bf16, fp8; fp8's
+    scale is float32 max |x| times float32 1/448)."""
     x32 = np.asarray(x, np.float32)
     if fmt == "bf16":
         return x32.astype(ml_dtypes.bfloat16).astype(np.float64)
     m = float(np.max(np.abs(x32))) if x32.size else 0.0
     if fmt == "fp8":
-        s = np.float32(m / 448.0) if m > 0 else np.float32(1.0)
+        s = np.float32(m) * np.float32(1 / 448.0) if m > 0 else np.float32(1.0)
         return (x32 / s).astype(ml_dtypes.float8_e4m3fn).astype(np.float32).astype(np.float64) * s
     assert fmt == "fp4", fmt
     s = np.float32(m) if m > 0 else np.float32(1.0)
