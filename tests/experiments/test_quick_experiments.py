@@ -14,7 +14,9 @@ def test_sweep_overlap_quick(tmp_path):
     result = json.loads((tmp_path / "overlap.json").read_text())
     assert set(result["points"]) == {"alpha=0.0,V=0", "alpha=0.0,V=5", "alpha=1.0,V=0", "alpha=1.0,V=5"}
     # with α = 1 the islands never take the outer model, so V cannot change the outer model
-    assert result["points"]["alpha=1.0,V=5"]["mean"] == result["points"]["alpha=1.0,V=0"]["mean"]
+    # (up to float rounding: the two are different programs; V moves α = 0's loss by 0.7%)
+    points = result["points"]
+    assert points["alpha=1.0,V=5"]["mean"] == pytest.approx(points["alpha=1.0,V=0"]["mean"], rel=1e-6)
     assert (tmp_path / "overlap.png").stat().st_size > 10_000
 
 
