@@ -63,7 +63,8 @@ def test_exported_model_scores_the_runs_final_evaluation_without_diloco(run, tmp
 
 def test_sample_is_seeded_and_greedy_matches_the_export(run, tmp_path, capsys):
     """The same seed, the same text: from the run directory and from its export (two loads
-    of the same outer model); greedy text from either is the model's own argmax."""
+    of the same outer model), and another seed another text; greedy text from the export is
+    the model's own argmax."""
     args = ["--prompt", "ab", "--tokens", "24"]
     assert sample_tool.main([str(run), *args, "--seed", "3"]) == 0
     first = capsys.readouterr().out
