@@ -65,13 +65,18 @@ class Stash:
 
     def pack(self, tree: PyTree, row: Float[Array, "fsdp data size"] | None = None) -> Float[Array, "fsdp data size"]:
         """One island's fragment tree (leaves outside the fragment None) as a stash row: its
-        values at the front, then what `row` held past them (never read), or zeros. The row
-        is written whole, in one pass: XLA:CPU runs an in-place update of part of a buffer
-        on one thread, a pass over all of it on every core."""
+        values at the front, then what `row` held past them (never read), or zeros.
+
+        A fragment that fills the row is written as one concatenation: XLA:CPU runs that on
+        every core, an in-place update of part of a buffer on one thread. A smaller one is
+        written over the front of `row` in place: rebuilding the whole row would first copy
+        its tail out of the buffer the result is written into."""
         pieces = [self._to_grid(x).astype(self.dtype) for x in jax.tree.leaves(tree)]
         used = sum(p.shape[-1] for p in pieces)
-        tail = self.zeros(1)[0, ..., used:] if row is None else row[..., used:]
-        return jnp.concatenate([*pieces, tail], axis=-1) if pieces else tail
+        if row is None or used in (0, self.size):
+            tail = self.zeros(1)[0, ..., used:] if row is None else row[..., used:]
+            return jnp.concatenate([*pieces, tail], axis=-1)
+        return jax.lax.dynamic_update_slice_in_dim(row, jnp.concatenate(pieces, axis=-1), 0, axis=-1)
 
     def unpack(self, row: Float[Array, "fsdp data size"], like: PyTree) -> PyTree:
         """The fragment tree shaped (and typed) like `like` from a row `pack` wrote."""
