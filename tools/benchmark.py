@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "utilisation is measured against a matmul in the same dtype")
     parser.add_argument("--no-sync-cost", action="store_true",
                         help="skip the sync-cost section (its tiny-batch steps and the floor)")
+    parser.add_argument("--sync-cost-only", action="store_true",
+                        help="only the sync-cost section (tiny-batch steps, no mesh): what each sync "
+                             "and each fragment's Streaming sync adds, against the floor")
     parser.add_argument("--cpu-orders", action="store_true",
                         help="instead of the step table: memory and paired step times of each size under "
                              "XLA:CPU's two instruction orders (diloco_eqx.cpu_scheduler; no mesh, CPU only)")
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cpu_orders:
         result = run_cpu_orders(sizes, reps, args.sync_period, args.num_fragments)
         print(format_orders(result["cpu_orders"]))
+    elif args.sync_cost_only:
+        result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments)
+        print("\n".join(_format_sync_cost(result["sync_cost"])))
     else:
         result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
                      dtype=args.dtype, with_sync_cost=not args.no_sync_cost)
@@ -222,8 +228,8 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
 
             # ---- memory and FLOPs of each compiled step (the executables compiled above)
             for mode, (state, step) in steps.items():
-                compiled = step.lower(state, batch_np).compile()
-                memory[f"{label}/{mode}"] = profiling.memory(compiled)
+                compiled, live = profiling.live_peak(step.lower(state, batch_np))
+                memory[f"{label}/{mode}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
                 if mode == "plain":
                     plain_flops = profiling.flops(compiled)
 
@@ -261,8 +267,8 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
     direct = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period, streaming=True, num_fragments=num_fragments)
     for backend in backends:  # Streaming with V = 0 (no stash): memory only
         step = dl.make_train_step(direct, loss_fn, inner, mesh, backend=backend)
-        compiled = step.lower(dl.init_state(model, inner, direct, mesh), batch_np).compile()
-        memory[f"{first}/{_mode('streaming_v0', backend)}"] = profiling.memory(compiled)
+        compiled, live = profiling.live_peak(step.lower(dl.init_state(model, inner, direct, mesh), batch_np))
+        memory[f"{first}/{_mode('streaming_v0', backend)}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
     largest = max(dl.Fragmentation.from_model(model, direct).param_counts(eqx.filter(model, eqx.is_inexact_array)))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
     diloco_mem = memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"]
@@ -284,6 +290,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
                    "expected_extra_bytes": checks[first]["expected_extra_bytes"],
                    "param_bytes": 4 * n, "largest_fragment_bytes": 4 * largest,
                    "modes": {name: {"extra_bytes": memory[f"{first}/{mode}"]["resident_bytes"] - plain_mem,
+                                    "live_extra_bytes": _live_extra(memory, first, mode),
                                     "expected_extra_bytes": want}
                              for name, (mode, want) in modes.items()},
                    "config": first, "all": memory, "bfloat16": low},
@@ -306,7 +313,10 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     resolved: each repetition times, back to back, the plain step, DiLoCo on a step without
     an event, on a sync, and Streaming (V = 1) without an event, on a sync (the stash) and on
     the step after it (exchange, outer step and apply); the results are medians of paired
-    differences. The floor is one fused XLA pass that reads and writes, in place, as many bytes
+    differences. The repetitions cycle through the fragments' syncs, each equally often, so
+    each fragment's cost is reported too, and their mean over a cycle: P Streaming syncs
+    touch the model once, as one vanilla sync does, so it is that mean which 1/P of the
+    vanilla sync's cost measures. The floor is one fused XLA pass that reads and writes, in place, as many bytes
     as the K islands, the outer model and its trace hold: the least a vanilla sync can do is
     read them all and write them back."""
     import equinox as eqx
@@ -329,11 +339,16 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     for name, cfg in (("diloco", vanilla), ("streaming", streaming)):
         steps[name] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
     placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
-    dh = dl.Schedule.from_config(streaming).steps_between_syncs
+    schedule = dl.Schedule.from_config(streaming)
+    dh = schedule.steps_between_syncs
     phases = [("plain", None), ("diloco", 5), ("diloco", sync_period), ("streaming", 5)]
     times = {key: [] for key in [*phases, ("streaming", "sync"), ("streaming", "after")]}
+    synced = []  # the fragment each timed repetition's Streaming sync was of
+    reps = -(-reps // num_fragments) * num_fragments  # every fragment equally often
     for rep in range(reps + 2):
         j = 1 + rep % num_fragments  # cycle through every fragment's sync
+        if rep >= 2:
+            synced.append(int(schedule.fragment_at(dh * j)))
         for mode, t in [*phases, ("streaming", "sync"), ("streaming", "after")]:
             state, step = steps[mode]
             if t is not None:
@@ -355,7 +370,10 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     stash_extra = diff(("streaming", "sync"), ("streaming", 5))
     exchange_extra = diff(("streaming", "after"), ("streaming", 5))
     streaming_extra = stash_extra + exchange_extra
-    return {"params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
+    per_fragment = _per_fragment(times, synced, num_fragments, model, streaming, vanilla_extra)
+    cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per_fragment) / num_fragments
+    return {"streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
+            "streaming_cycle_over_vanilla": cycle / vanilla_extra,"params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
             "stash_extra_s": stash_extra, "exchange_apply_extra_s": exchange_extra,
             "plain_s": float(np.median(times[("plain", None)])),
             "vanilla_sync_extra_s": vanilla_extra, "vanilla_extra_over_floor": vanilla_extra / floor,
@@ -365,6 +383,36 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
             "streaming_over_vanilla": streaming_extra / vanilla_extra, "one_over_p": 1 / num_fragments,
             "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
             "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)), "reps": reps}
+
+
+def _live_extra(memory: dict, config: str, mode: str) -> int | None:
+    """What `mode` holds at its peak over what plain training holds at its own, by XLA's
+    live ranges (`profiling.live_peak`): the extra with the allocator's layout left out."""
+    live, plain = memory[f"{config}/{mode}"]["live_peak_bytes"], memory[f"{config}/plain"]["live_peak_bytes"]
+    return None if live is None or plain is None else live - plain
+
+
+def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg, vanilla_extra: float) -> list[dict]:
+    """Each fragment's Streaming sync (stash, then exchange and apply) over the non-sync step
+    of the same repetition: medians over that fragment's repetitions, its share of the
+    parameters, and its extra over the vanilla sync's (a fragment that costs in proportion
+    to its size has the two equal)."""
+    import equinox as eqx
+    import numpy as np
+
+    import diloco_eqx as dl
+
+    counts = dl.Fragmentation.from_model(model, cfg).param_counts(eqx.filter(model, eqx.is_inexact_array))
+    base = np.asarray(times[("streaming", 5)])
+    out = []
+    for f in range(num_fragments):
+        mine = np.asarray(synced) == f
+        stash = float(np.median(np.asarray(times[("streaming", "sync")])[mine] - base[mine]))
+        exchange = float(np.median(np.asarray(times[("streaming", "after")])[mine] - base[mine]))
+        out.append({"fragment": f, "param_fraction": counts[f] / sum(counts), "reps": int(mine.sum()),
+                    "stash_extra_s": stash, "exchange_apply_extra_s": exchange,
+                    "over_vanilla": (stash + exchange) / vanilla_extra})
+    return out
 
 
 def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
@@ -441,6 +489,16 @@ def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int) -> d
                     times.setdefault((order, name), []).append(time.perf_counter() - t0)
                 steps[order, mode][0] = state
     return times
+
+
+def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
+    import jax
+
+    costs = {size.name: sync_cost(_model(size), 2, sync_period, num_fragments, reps) for size in sizes}
+    return {"sync_cost": costs, "settings": {"num_replicas": 2, "sync_period": sync_period,
+                                             "num_fragments": num_fragments, "overlap_steps": 1, "reps": reps},
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "python": platform.python_version(), "jax": jax.__version__}}
 
 
 def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
@@ -615,7 +673,25 @@ def format_table(result: dict) -> str:
         lines.append(f"{key}: {s['params']:,} params, inner step {s['inner_flops_per_s'] / 1e9:.2f} "
                      f"GFLOP/s vs matmul {s['matmul_flops_per_s'] / 1e9:.2f} GFLOP/s: "
                      f"utilisation {s['utilisation']:.2f}")
-    for name, c in result.get("sync_cost", {}).items():
+    lines += _format_sync_cost(result.get("sync_cost", {}))
+    for key, m in result["memory"]["modes"].items():
+        live = m.get("live_extra_bytes")
+        lines.append(f"memory mode {key}: extra {m['extra_bytes']:,} B vs expected {m['expected_extra_bytes']:,} B "
+                     f"(ratio {m['extra_bytes'] / m['expected_extra_bytes']:.3f})" + (
+                         "" if live is None else f"; live at the peak {live:,} B "
+                                                 f"(ratio {live / m['expected_extra_bytes']:.4f})"))
+    low = result["memory"].get("bfloat16")
+    if low:
+        lines.append(f"bfloat16 islands, float32 outer (vanilla, no mesh): extra resident "
+                     f"{low['extra_bytes']:,} B vs 2·|Θ|·4 = {low['expected_extra_bytes']:,} B "
+                     f"(ratio {low['extra_bytes'] / low['expected_extra_bytes']:.3f}; "
+                     f"2·|Θ|·2 would be {2 * low['param_bytes_bfloat16']:,} B)")
+    return "\n".join(lines)
+
+
+def _format_sync_cost(costs: dict) -> list[str]:
+    lines = []
+    for name, c in costs.items():
         lines.append(f"{name} sync cost (no mesh, 2x8-token batch, paired medians): floor {1e3 * c['floor_s']:.1f} ms "
                      f"for {c['floor_bytes'] / 1e6:.0f} MB; vanilla sync +{1e3 * c['vanilla_sync_extra_s']:.1f} ms "
                      f"= {c['vanilla_extra_over_floor']:.2f}x floor ({c['vanilla_extra_over_handwritten']:.2f}x the "
@@ -624,16 +700,12 @@ def format_table(result: dict) -> str:
                      f"+{1e3 * c['streaming_sync_extra_s']:.1f} ms = {c['streaming_over_vanilla']:.2f} of vanilla's "
                      f"(1/P = {c['one_over_p']:.2f}); non-sync step +{1e3 * c['diloco_nonsync_extra_s']:.1f} / "
                      f"+{1e3 * c['streaming_nonsync_extra_s']:.1f} ms over plain ({1e3 * c['plain_s']:.0f} ms)")
-    for key, m in result["memory"]["modes"].items():
-        lines.append(f"memory mode {key}: extra {m['extra_bytes']:,} B vs expected {m['expected_extra_bytes']:,} B "
-                     f"(ratio {m['extra_bytes'] / m['expected_extra_bytes']:.3f})")
-    low = result["memory"].get("bfloat16")
-    if low:
-        lines.append(f"bfloat16 islands, float32 outer (vanilla, no mesh): extra resident "
-                     f"{low['extra_bytes']:,} B vs 2·|Θ|·4 = {low['expected_extra_bytes']:,} B "
-                     f"(ratio {low['extra_bytes'] / low['expected_extra_bytes']:.3f}; "
-                     f"2·|Θ|·2 would be {2 * low['param_bytes_bfloat16']:,} B)")
-    return "\n".join(lines)
+        lines.append(f"{name} streaming sync per fragment (stash + exchange and apply, ÷ vanilla's; share of Θ): " + ", ".join(
+            f"{p['fragment']}: {1e3 * p['stash_extra_s']:.1f} + {1e3 * p['exchange_apply_extra_s']:.1f} ms = "
+            f"{p['over_vanilla']:.2f} ({p['param_fraction']:.2f})" for p in c["streaming_per_fragment"])
+            + f"; mean over a cycle {1e3 * c['streaming_cycle_extra_s']:.1f} ms = "
+              f"{c['streaming_cycle_over_vanilla']:.2f} of vanilla's (1/P = {c['one_over_p']:.2f})")
+    return lines
 
 
 if __name__ == "__main__":

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
+import os
+import re
+import tempfile
 
 import jax
 import jax.monitoring
+from jax.experimental.compilation_cache import compilation_cache
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -46,6 +51,36 @@ def memory(compiled: jax.stages.Compiled) -> dict[str, int]:
     }
     out["resident_bytes"] = out["argument_bytes"] + out["temp_bytes"]
     return out
+
+
+def live_peak(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, int | None]:
+    """`lowered` compiled, and the peak of XLA's live-range analysis of it: the largest total
+    size of the buffers live at one point of the program's order, arguments included (read
+    from the dump XLA writes when asked; None where it writes none).
+
+    It counts every buffer the analysis names, so a donated argument and the output written
+    into it count twice: compare it between programs, not with `memory`. Where two programs'
+    peaks differ by what one holds more but their allocations differ by more, the rest is
+    layout: the executable holds its temporaries in one block, each at one offset for its
+    whole life."""
+    with tempfile.TemporaryDirectory() as out:
+        enabled = jax.config.jax_enable_compilation_cache  # an executable from the cache writes no dump
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # JAX decides whether to use the cache once, at first use
+        try:
+            compiled = lowered.compile({"xla_dump_to": out, "xla_dump_hlo_as_text": True})
+        finally:
+            jax.config.update("jax_enable_compilation_cache", enabled)
+            compilation_cache.reset_cache()
+        ranges = glob.glob(os.path.join(out, "*after_optimizations-live-range.txt"))
+        peaks = []
+        for path in ranges:
+            with open(path) as f:
+                _, found, after = f.read().partition("(peak):")
+            sizes = re.findall(r"cumulative: (\d+) bytes", after)
+            if found and sizes:
+                peaks.append(int(sizes[-1]))
+    return compiled, max(peaks, default=None)
 
 
 def flops(compiled: jax.stages.Compiled) -> float:

@@ -30,6 +30,8 @@ def check_quick_json(result: dict) -> None:
     assert mem["diloco_bytes"] > mem["plain_bytes"] > 0
     for name, m in mem["modes"].items():  # every mode's extra memory within 5% of its formula
         assert abs(m["extra_bytes"] / m["expected_extra_bytes"] - 1) < 0.05, (name, m)
+        # and at the peak, before the allocator's layout, what it holds is the formula's
+        assert abs(m["live_extra_bytes"] / m["expected_extra_bytes"] - 1) < 0.001, (name, m)
     assert mem["modes"]["vanilla"]["expected_extra_bytes"] == 2 * mem["param_bytes"]
     assert mem["modes"]["streaming"]["expected_extra_bytes"] == 2 * mem["param_bytes"]
     # the stash holds the largest fragment of each of the K = 2 islands, not the model
@@ -49,6 +51,17 @@ def check_quick_json(result: dict) -> None:
     assert cost["vanilla_extra_over_handwritten"] == pytest.approx(cost["vanilla_sync_extra_s"] / cost["handwritten_sync_s"])
     assert cost["stash_extra_s"] + cost["exchange_apply_extra_s"] == pytest.approx(cost["streaming_sync_extra_s"])
     assert cost["one_over_p"] == 1 / result["settings"]["num_fragments"]
+    # every fragment's sync timed equally often; the cycle's mean is of the per-fragment costs
+    per = cost["streaming_per_fragment"]
+    assert [p["fragment"] for p in per] == list(range(result["settings"]["num_fragments"]))
+    assert {p["reps"] for p in per} == {cost["reps"] // len(per)} and cost["reps"] % len(per) == 0
+    assert sum(p["param_fraction"] for p in per) == pytest.approx(1.0)
+    cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per) / len(per)
+    assert cost["streaming_cycle_extra_s"] == pytest.approx(cycle)
+    assert cost["streaming_cycle_over_vanilla"] == pytest.approx(cycle / cost["vanilla_sync_extra_s"])
+    for p in per:
+        assert p["over_vanilla"] == pytest.approx((p["stash_extra_s"] + p["exchange_apply_extra_s"])
+                                                  / cost["vanilla_sync_extra_s"])
     phases = {(r["mode"], r["phase"]) for r in result["rows"]}
     for mode in ("diloco", "streaming", "diloco_drjax", "streaming_drjax"):  # both backends
         assert {(mode, p) for p in ("nonsync", "sync", "amortized")} <= phases
