@@ -3,8 +3,7 @@
 With V >= 1 the sync at step t keeps each island's pseudo-gradient of fragment f(t) and step
 t+1 exchanges it, so exactly one fragment is in flight at a time. The stash is therefore
 sized to the largest fragment, not to the model: fragment f's leaves are flattened into the
-front of one row of `size` values per device (the largest fragment's), the whole row written
-in one pass.
+front of one row of `size` values per device (the largest fragment's).
 
 On an island mesh every device keeps only its own pieces. A leaf is laid out like the outer
 model (split over the island's "fsdp" and "data" devices), and it is flattened device-major:
