@@ -247,11 +247,13 @@ def test_tensorboard_resume_purges_the_interrupted_points(tmp_path):
 
 def test_wandb_resume_continues_the_run_without_resending(tmp_path):
     needs_wandb()
-    started = time.time()
     session(tmp_path, range(1, 8), keep_through=None, kinds=("wandb",))
     # W&B names an offline session's directory by the second it started in: a resume within
-    # the same second as the first session (which no real run can do) would share it
-    time.sleep(max(0.0, math.floor(started) + 1.05 - time.time()))
+    # the same second as the first session (which no real run can do) would share it. The
+    # first started before it ended, so the resume waits for the second after that (on a
+    # loaded machine the first session's start can come a second after the test's)
+    ended = time.time()
+    time.sleep(max(0.0, math.floor(ended) + 1.05 - time.time()))
     session(tmp_path, range(5, 11), keep_through=4, shift=100.0, kinds=("wandb",))
     history, config, ids = wandb_run(tmp_path)
     assert len(ids) == 1 and config == SETTINGS
