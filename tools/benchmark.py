@@ -316,9 +316,9 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     differences. The repetitions cycle through the fragments' syncs, each equally often, so
     each fragment's cost is reported too, and their mean over a cycle: P Streaming syncs
     touch the model once, as one vanilla sync does, so it is that mean which 1/P of the
-    vanilla sync's cost measures. The floor is one fused XLA pass that reads and writes, in place, as many bytes
-    as the K islands, the outer model and its trace hold: the least a vanilla sync can do is
-    read them all and write them back."""
+    vanilla sync's cost measures. The floor is one fused XLA pass that reads and writes, in
+    place, as many bytes as the K islands, the outer model and its trace hold: the least a
+    vanilla sync can do is read them all and write them back."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -373,7 +373,8 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     per_fragment = _per_fragment(times, synced, num_fragments, model, streaming, vanilla_extra)
     cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per_fragment) / num_fragments
     return {"streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
-            "streaming_cycle_over_vanilla": cycle / vanilla_extra,"params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
+            "streaming_cycle_over_vanilla": cycle / vanilla_extra,
+            "params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
             "stash_extra_s": stash_extra, "exchange_apply_extra_s": exchange_extra,
             "plain_s": float(np.median(times[("plain", None)])),
             "vanilla_sync_extra_s": vanilla_extra, "vanilla_extra_over_floor": vanilla_extra / floor,
