@@ -72,10 +72,10 @@ class Stash:
         its tail out of the buffer the result is written into."""
         pieces = [self._to_grid(x).astype(self.dtype) for x in jax.tree.leaves(tree)]
         used = sum(p.shape[-1] for p in pieces)
-        if row is None or used in (0, self.size):
-            tail = self.zeros(1)[0, ..., used:] if row is None else row[..., used:]
-            return jnp.concatenate([*pieces, tail], axis=-1)
-        return jax.lax.dynamic_update_slice_in_dim(row, jnp.concatenate(pieces, axis=-1), 0, axis=-1)
+        if row is not None and 0 < used < self.size:
+            return jax.lax.dynamic_update_slice_in_dim(row, jnp.concatenate(pieces, axis=-1), 0, axis=-1)
+        tail = self.zeros(1)[0, ..., used:] if row is None else row[..., used:]
+        return jnp.concatenate([*pieces, tail], axis=-1)
 
     def unpack(self, row: Float[Array, "fsdp data size"], like: PyTree) -> PyTree:
         """The fragment tree shaped (and typed) like `like` from a row `pack` wrote."""

@@ -493,13 +493,8 @@ def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int) -> d
 
 
 def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
-    import jax
-
     costs = {size.name: sync_cost(_model(size), 2, sync_period, num_fragments, reps) for size in sizes}
-    return {"sync_cost": costs, "settings": {"num_replicas": 2, "sync_period": sync_period,
-                                             "num_fragments": num_fragments, "overlap_steps": 1, "reps": reps},
-            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version(), "jax": jax.__version__}}
+    return {"sync_cost": costs, **_settings_and_machine(sync_period, num_fragments, reps)}
 
 
 def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
@@ -510,8 +505,15 @@ def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> di
     orders = {}
     for size in sizes:
         orders[size.name] = cpu_orders(_model(size), size, 2, sync_period, num_fragments, reps)
-    return {"cpu_orders": orders, "settings": {"num_replicas": 2, "sync_period": sync_period,
-                                               "num_fragments": num_fragments, "overlap_steps": 1, "reps": reps},
+    return {"cpu_orders": orders, **_settings_and_machine(sync_period, num_fragments, reps)}
+
+
+def _settings_and_machine(sync_period: int, num_fragments: int, reps: int) -> dict:
+    """What a sync-cost or cpu-orders JSON records of its settings and machine (K = 2, V = 1)."""
+    import jax
+
+    return {"settings": {"num_replicas": 2, "sync_period": sync_period, "num_fragments": num_fragments,
+                         "overlap_steps": 1, "reps": reps},
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "jax": jax.__version__}}
 

@@ -1,4 +1,5 @@
-"""Measuring compiled steps: compilation counts, memory of the executable, what is live at its peak, and FLOPs."""
+"""Measuring compiled steps: compilation counts, memory of the executable, what is live at
+its peak, and FLOPs."""
 
 from __future__ import annotations
 
