@@ -83,8 +83,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cpu-orders", action="store_true",
                         help="instead of the step table: memory and paired step times of each size under "
                              "XLA:CPU's two instruction orders (diloco_eqx.cpu_scheduler; no mesh, CPU only)")
+    parser.add_argument("--host-memory", action="store_true",
+                        help="instead of the step table: full-batch steps with freed host memory kept for reuse "
+                             "(diloco_eqx.host_memory, as runs do) and returned as glibc does, side by side in "
+                             "two worker processes (glibc only)")
+    parser.add_argument("--host-memory-worker", choices=HOST_MEMORY, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
+    from diloco_eqx import host_memory
+
+    if args.host_memory_worker != "default":  # as a training run does, before JAX starts
+        host_memory.keep_freed_memory()
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     ).strip()
@@ -92,7 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                            [s.name for s in SIZES]))]
     meshes = args.meshes or (["none"] if args.quick else ["none", "2x1"])
     reps = args.reps or (15 if args.quick else 25)
-    if args.cpu_orders:
+    if args.host_memory_worker:
+        return _host_memory_worker(sizes[0], args.sync_period)
+    if args.host_memory:
+        result = run_host_memory(sizes, reps, args.sync_period)
+        print(format_host_memory(result["host_memory"]))
+    elif args.cpu_orders:
         result = run_cpu_orders(sizes, reps, args.sync_period, args.num_fragments)
         print(format_orders(result["cpu_orders"]))
     elif args.sync_cost_only:
@@ -495,6 +509,116 @@ def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int) -> d
 def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
     costs = {size.name: sync_cost(_model(size), 2, sync_period, num_fragments, reps) for size in sizes}
     return {"sync_cost": costs, **_settings_and_machine(sync_period, num_fragments, reps)}
+
+
+HOST_MEMORY = ("keep", "default")
+"""Host-memory settings compared: freed memory kept for reuse, or glibc's default."""
+HOST_MEMORY_PHASES = ("plain", "nonsync", "sync")
+
+
+def run_host_memory(sizes, reps: int, sync_period: int) -> dict:
+    """Full-batch steps under each host-memory setting (`host_memory_cost`) for each size."""
+    from diloco_eqx import host_memory
+
+    if not host_memory.available():
+        raise SystemExit("--host-memory: compares glibc's malloc settings; this process does not run on glibc")
+    costs = {size.name: host_memory_cost(size, reps, sync_period) for size in sizes}
+    return {"host_memory": costs, **_settings_and_machine(sync_period, 1, reps)}
+
+
+def host_memory_cost(size: Size, reps: int, sync_period: int) -> dict:
+    """The plain step and vanilla DiLoCo (K = 2) off and on a sync, full batch, with freed host
+    memory kept for reuse and as glibc leaves it: each setting must be made before JAX starts,
+    so each has a worker process of its own, and this one asks them for one step at a time,
+    the two settings in alternating order; each repetition is a pair. Per phase and setting:
+    median seconds, page faults and system CPU seconds of a step; and the mean of the paired
+    ratios default ÷ keep with its 95% interval."""
+    import subprocess
+
+    import numpy as np
+
+    cmd = [sys.executable, "-m", "tools.benchmark", "--sizes", size.name, "--sync-period", str(sync_period)]
+    workers = {s: subprocess.Popen([*cmd, "--host-memory-worker", s], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True) for s in HOST_MEMORY}
+    try:
+        for w in workers.values():
+            if w.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a --host-memory worker for {size.name} did not start")
+        got = {(s, p): [] for s in HOST_MEMORY for p in HOST_MEMORY_PHASES}
+        for rep in range(reps + 1):  # the first round warms the heap up
+            for s in HOST_MEMORY[::(-1) ** rep]:
+                for phase in HOST_MEMORY_PHASES:
+                    workers[s].stdin.write(phase + "\n")
+                    workers[s].stdin.flush()
+                    out = json.loads(workers[s].stdout.readline())
+                    if rep:
+                        got[(s, phase)].append(out)
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+            w.wait(timeout=60)
+    phases = {}
+    for phase in HOST_MEMORY_PHASES:
+        per = {s: {k: float(np.median([o[k] for o in got[(s, phase)]])) for k in ("s", "faults", "sys_s")}
+               for s in HOST_MEMORY}
+        ratio = np.asarray([d["s"] / k["s"] for d, k in zip(got[("default", phase)], got[("keep", phase)])])
+        half = 1.96 * ratio.std(ddof=1) / np.sqrt(len(ratio))
+        phases[phase] = {**per, "ratio_mean": float(ratio.mean()), "ratio_low": float(ratio.mean() - half),
+                         "ratio_high": float(ratio.mean() + half)}
+    return {"phases": phases, "pairs": reps}
+
+
+def _host_memory_worker(size: Size, sync_period: int) -> None:
+    """One side of `host_memory_cost`: runs the step named on each line of stdin and answers
+    with a JSON line of its seconds, page faults and system CPU seconds."""
+    import resource
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx.analysis.plain import make_plain_step
+    from models.transformer import loss_fn
+
+    model, inner = _model(size), optax.adamw(1e-3)
+    batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=sync_period)
+    plain = list(make_plain_step(model, loss_fn, inner, 2))
+    diloco = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
+    placed = {"plain": plain[1].place_batch(batch), "diloco": diloco[1].place_batch(batch)}
+    step_at = {"nonsync": 5, "sync": sync_period}
+
+    def run(phase):
+        mine = plain if phase == "plain" else diloco
+        state = mine[0]
+        if phase in step_at:
+            state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(step_at[phase] - 1)))
+        before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        state, _ = mine[1].step_placed(state, placed["plain" if phase == "plain" else "diloco"])
+        mine[0] = jax.block_until_ready(state)
+        seconds, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
+        return {"s": seconds, "faults": after.ru_minflt - before.ru_minflt, "sys_s": after.ru_stime - before.ru_stime}
+
+    for phase in HOST_MEMORY_PHASES:  # compiled before the first request
+        run(phase)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run(line.strip())), flush=True)
+
+
+def format_host_memory(costs: dict) -> str:
+    lines = []
+    for name, c in costs.items():
+        for phase, p in c["phases"].items():
+            k, d = p["keep"], p["default"]
+            lines.append(f"{name} {phase}: kept {1e3 * k['s']:.0f} ms ({k['faults']:.0f} page faults, "
+                         f"{1e3 * k['sys_s']:.0f} ms system), glibc's default {1e3 * d['s']:.0f} ms "
+                         f"({d['faults']:.0f} page faults, {1e3 * d['sys_s']:.0f} ms system); default ÷ kept "
+                         f"{p['ratio_mean']:.3f} [{p['ratio_low']:.3f}, {p['ratio_high']:.3f}] over {c['pairs']} pairs")
+    return "\n".join(lines)
 
 
 def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:

@@ -20,8 +20,8 @@ from models.transformer import TransformerConfig
 
 MODES = ("diloco", "ddp")
 DEFAULT_MODEL = "models.transformer:build"
-RESUMABLE = ("resume", "tracker", "progress", "out", "coordinator", "num_processes", "process_id",
-             "heartbeat_timeout", "devices", "data_parallel", "fsdp", "backend", "checkpoint_every")
+RESUMABLE = ("resume", "tracker", "progress", "keep_host_memory", "out", "coordinator", "num_processes",
+             "process_id", "heartbeat_timeout", "devices", "data_parallel", "fsdp", "backend", "checkpoint_every")
 """Settings a --resume may change: none of them changes a number the run computes (the
 islands' layout over devices and processes, how the step is compiled, where checkpoints
 fall, what is printed)."""
@@ -128,6 +128,11 @@ class RunConfig:
     collectives chosen by GSPMD); the numbers are the same. (--mode ddp always uses shard_map.)"""
     progress: bool = True
     """Show a progress bar."""
+    keep_host_memory: bool = True
+    """Keep host memory that XLA frees for its next call (glibc only; see
+    diloco_eqx/host_memory.py): on CPU each step otherwise faults its temporaries in afresh,
+    about a fifth of a 10M-parameter step's CPU time. Off: the process returns large freed
+    blocks to the system, as glibc does by default."""
     tracker: tuple[str, ...] = dataclasses.field(default=("jsonl",), metadata={"choices": registered_trackers()})
     """Where metrics go, one or more of: jsonl (metrics.jsonl, always written), tensorboard
     (event files in OUT/tensorboard), wandb (Weights & Biases; WANDB_MODE=offline works

@@ -24,6 +24,7 @@ import jax
 import optax
 
 import diloco_eqx as dl
+from diloco_eqx import host_memory
 from diloco_eqx.analysis import comms
 from diloco_eqx.ddp import init_ddp_state, make_ddp_step
 from diloco_eqx.training import data, multiprocess, sources, token_files
@@ -259,6 +260,8 @@ def metadata(job: Job, argv: list[str]) -> dict[str, Any]:
 
 def run(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run (or resume) one training job; returns the summary written to run.json."""
+    if cfg.keep_host_memory:  # before JAX starts its backend, when run from the command line
+        host_memory.keep_freed_memory()
     if cfg.diloco_slices:
         multiprocess.use_host_devices(cfg.diloco_slices * cfg.island_devices)
     out = Path(cfg.out)

@@ -107,3 +107,37 @@ def test_cpu_orders_json(tmp_path):
                     "--json", str(path)], cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, check=True,
                    capture_output=True, timeout=900)
     check_orders_json(json.loads(path.read_text()))
+
+
+def check_host_memory_json(result: dict) -> None:
+    """What a `--host-memory` JSON must hold: both settings of every phase timed in pairs, the
+    kept heap faulting (next to) nothing in, glibc's default faulting in every step."""
+    for size, c in result["host_memory"].items():
+        assert set(c["phases"]) == {"plain", "nonsync", "sync"}
+        for phase, p in c["phases"].items():
+            assert p["ratio_low"] <= p["ratio_mean"] <= p["ratio_high"], (size, phase)
+            assert p["keep"]["s"] > 0 and p["default"]["s"] > 0
+            assert p["keep"]["faults"] <= 0.01 * p["default"]["faults"], (size, phase, p)
+
+
+def test_committed_host_memory_json():
+    """benchmarks/cpu_host_memory.json as committed: with freed memory kept every step of every
+    size is faster than under glibc's default (the 95% interval of the paired ratio above 1),
+    and its page faults, the cause, are gone."""
+    result = json.loads((ROOT / "benchmarks" / "cpu_host_memory.json").read_text())
+    check_host_memory_json(result)
+    assert set(result["host_memory"]) == {"1M", "10M", "30M"}
+    for size, c in result["host_memory"].items():
+        for phase, p in c["phases"].items():
+            assert p["ratio_low"] > 1.0, (size, phase, p)
+            assert p["keep"]["faults"] == 0 and p["default"]["faults"] > 50_000, (size, phase, p)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="compares glibc's malloc settings")
+def test_host_memory_json(tmp_path):
+    path = tmp_path / "host_memory.json"
+    subprocess.run([sys.executable, "-m", "tools.benchmark", "--host-memory", "--sizes", "1M", "--reps", "2",
+                    "--json", str(path)], cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, check=True,
+                   capture_output=True, timeout=900)
+    check_host_memory_json(json.loads(path.read_text()))

@@ -1,0 +1,56 @@
+"""host_memory: with freed memory kept, a call reuses the pages of the calls before and
+faults none in; as glibc does by default, each call faults its whole temporaries block in
+again, one fault per page. Each setting runs in a process of its own, set before JAX starts."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from diloco_eqx import host_memory
+from tests.helpers import subprocess_env
+
+pytestmark = pytest.mark.skipif(not host_memory.available(), reason="sets glibc's malloc only")
+
+SCRIPT = r"""
+import json, resource, sys
+from diloco_eqx import host_memory
+if sys.argv[1] == "keep":
+    assert host_memory.keep_freed_memory()  # before JAX starts, as a training run does
+import jax, jax.numpy as jnp
+
+# the running sum (8M float32 values, 32 MiB) is a temporary the product reads backwards
+f = jax.jit(lambda a: jnp.sum(jnp.cumsum(a) * a[::-1]))
+a = jnp.ones((1 << 23,), jnp.float32)
+temp = f.lower(a).compile().memory_analysis().temp_size_in_bytes
+faults = []
+for i in range(14):  # the first calls grow the heap to what a call needs
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    jax.block_until_ready(f(a))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+print(json.dumps({"temp": temp, "page": resource.getpagesize(), "faults": faults[4:]}))
+"""
+
+
+def faults_per_call(setting: str) -> tuple[float, float]:
+    """(median page faults of a call, pages of the temporaries block) in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", SCRIPT, setting], env=subprocess_env(), check=True,
+                         capture_output=True, text=True, timeout=300)
+    r = json.loads(out.stdout.splitlines()[-1])
+    assert r["temp"] >= 4 << 23  # the running sum is a temporary
+    return float(np.median(r["faults"])), r["temp"] / r["page"]
+
+
+def test_kept_memory_is_reused_where_glibc_faults_every_call_in():
+    released, pages = faults_per_call("default")
+    assert released >= 0.95 * pages  # every page of the block, fresh again
+    kept, _ = faults_per_call("keep")
+    assert kept <= 0.01 * pages
+
+
+def test_off_glibc_nothing_is_set(monkeypatch):
+    monkeypatch.setattr(host_memory, "_glibc", lambda: None)
+    assert not host_memory.available()
+    assert host_memory.keep_freed_memory() is False
