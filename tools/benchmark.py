@@ -523,7 +523,7 @@ def run_host_memory(sizes, reps: int, sync_period: int) -> dict:
     if not host_memory.available():
         raise SystemExit("--host-memory: compares glibc's malloc settings; this process does not run on glibc")
     costs = {size.name: host_memory_cost(size, reps, sync_period) for size in sizes}
-    return {"host_memory": costs, **_settings_and_machine(sync_period, 1, reps)}
+    return {"host_memory": costs, **_settings_and_machine(sync_period, 1, reps, overlap_steps=0)}
 
 
 def host_memory_cost(size: Size, reps: int, sync_period: int) -> dict:
@@ -540,17 +540,23 @@ def host_memory_cost(size: Size, reps: int, sync_period: int) -> dict:
     cmd = [sys.executable, "-m", "tools.benchmark", "--sizes", size.name, "--sync-period", str(sync_period)]
     workers = {s: subprocess.Popen([*cmd, "--host-memory-worker", s], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    text=True) for s in HOST_MEMORY}
+    def answer(s: str) -> str:
+        line = workers[s].stdout.readline()
+        if not line:
+            raise RuntimeError(f"the --host-memory worker ({s}) for {size.name} exited; run it alone to see why: "
+                               + " ".join([*cmd, "--host-memory-worker", s]))
+        return line
+
     try:
-        for w in workers.values():
-            if w.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a --host-memory worker for {size.name} did not start")
+        for s in HOST_MEMORY:
+            answer(s)  # "ready": its steps are compiled
         got = {(s, p): [] for s in HOST_MEMORY for p in HOST_MEMORY_PHASES}
         for rep in range(reps + 1):  # the first round warms the heap up
             for s in HOST_MEMORY[::(-1) ** rep]:
                 for phase in HOST_MEMORY_PHASES:
                     workers[s].stdin.write(phase + "\n")
                     workers[s].stdin.flush()
-                    out = json.loads(workers[s].stdout.readline())
+                    out = json.loads(answer(s))
                     if rep:
                         got[(s, phase)].append(out)
     finally:
@@ -586,19 +592,20 @@ def _host_memory_worker(size: Size, sync_period: int) -> None:
     model, inner = _model(size), optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=sync_period)
-    plain = list(make_plain_step(model, loss_fn, inner, 2))
-    diloco = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
-    placed = {"plain": plain[1].place_batch(batch), "diloco": diloco[1].place_batch(batch)}
+    steps = {"plain": list(make_plain_step(model, loss_fn, inner, 2)),
+             "diloco": [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]}
+    placed = {name: step.place_batch(batch) for name, (_, step) in steps.items()}
     step_at = {"nonsync": 5, "sync": sync_period}
 
     def run(phase):
-        mine = plain if phase == "plain" else diloco
-        state = mine[0]
+        name = "plain" if phase == "plain" else "diloco"
+        state, step = steps[name]
         if phase in step_at:
-            state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(step_at[phase] - 1)))
+            t = jnp.asarray(step_at[phase] - 1, jnp.int32)
+            state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, t))
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        state, _ = mine[1].step_placed(state, placed["plain" if phase == "plain" else "diloco"])
-        mine[0] = jax.block_until_ready(state)
+        state, _ = step.step_placed(state, placed[name])
+        steps[name][0] = jax.block_until_ready(state)
         seconds, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         return {"s": seconds, "faults": after.ru_minflt - before.ru_minflt, "sys_s": after.ru_stime - before.ru_stime}
 
@@ -632,12 +639,12 @@ def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> di
     return {"cpu_orders": orders, **_settings_and_machine(sync_period, num_fragments, reps)}
 
 
-def _settings_and_machine(sync_period: int, num_fragments: int, reps: int) -> dict:
-    """What a sync-cost or cpu-orders JSON records of its settings and machine (K = 2, V = 1)."""
+def _settings_and_machine(sync_period: int, num_fragments: int, reps: int, overlap_steps: int = 1) -> dict:
+    """What a sync-cost, cpu-orders or host-memory JSON records of its settings and machine (K = 2)."""
     import jax
 
     return {"settings": {"num_replicas": 2, "sync_period": sync_period, "num_fragments": num_fragments,
-                         "overlap_steps": 1, "reps": reps},
+                         "overlap_steps": overlap_steps, "reps": reps},
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "jax": jax.__version__}}
 
