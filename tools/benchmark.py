@@ -26,6 +26,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 DEVICES = 8
 MESHES = {  # name -> make_mesh sizes
@@ -57,7 +58,7 @@ SIZES = (
 DTYPES = ("float32", "bfloat16")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     from diloco_eqx.config import DiLoCoConfig
     from diloco_eqx.training.cli import add_flags
 
@@ -87,13 +88,20 @@ def main(argv: list[str] | None = None) -> dict:
                         help="instead of the step table: full-batch steps with freed host memory kept for reuse "
                              "(diloco_eqx.host_memory, as runs do) and returned as glibc does, side by side in "
                              "two worker processes (glibc only)")
+    parser.add_argument("--no-keep-host-memory", action="store_true",
+                        help="leave glibc's malloc as it is (by default freed host memory is kept for reuse, "
+                             "as training runs keep it; diloco_eqx.host_memory)")
     parser.add_argument("--host-memory-worker", choices=HOST_MEMORY, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the results here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
     from diloco_eqx import host_memory
 
-    if args.host_memory_worker != "default":  # as a training run does, before JAX starts
-        host_memory.keep_freed_memory()
+    if not args.no_keep_host_memory and args.host_memory_worker != "default":
+        host_memory.keep_freed_memory()  # as a training run does, before JAX starts
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     ).strip()
@@ -532,16 +540,25 @@ def host_memory_cost(size: Size, reps: int, sync_period: int) -> dict:
     so each has a worker process of its own, and this one asks them for one step at a time,
     the two settings in alternating order; each repetition is a pair. Per phase and setting:
     median seconds, page faults and system CPU seconds of a step; and the mean of the paired
-    ratios default ÷ keep with its 95% interval."""
+    ratios default ÷ keep with its 95% Student-t interval."""
     import subprocess
 
     import numpy as np
 
+    from experiments.stats import interval
+
     cmd = [sys.executable, "-m", "tools.benchmark", "--sizes", size.name, "--sync-period", str(sync_period)]
     workers = {s: subprocess.Popen([*cmd, "--host-memory-worker", s], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True) for s in HOST_MEMORY}
-    def answer(s: str) -> str:
-        line = workers[s].stdout.readline()
+                                   text=True, env=_host_memory_env()) for s in HOST_MEMORY}
+
+    def ask(s: str, phase: str | None = None) -> str:
+        try:
+            if phase is not None:
+                workers[s].stdin.write(phase + "\n")
+                workers[s].stdin.flush()
+            line = workers[s].stdout.readline()
+        except BrokenPipeError:
+            line = ""
         if not line:
             raise RuntimeError(f"the --host-memory worker ({s}) for {size.name} exited; run it alone to see why: "
                                + " ".join([*cmd, "--host-memory-worker", s]))
@@ -549,29 +566,47 @@ def host_memory_cost(size: Size, reps: int, sync_period: int) -> dict:
 
     try:
         for s in HOST_MEMORY:
-            answer(s)  # "ready": its steps are compiled
+            if ask(s).strip() != "ready":  # its steps are compiled
+                raise RuntimeError(f"the --host-memory worker ({s}) wrote something other than 'ready'")
         got = {(s, p): [] for s in HOST_MEMORY for p in HOST_MEMORY_PHASES}
         for rep in range(reps + 1):  # the first round warms the heap up
             for s in HOST_MEMORY[::(-1) ** rep]:
                 for phase in HOST_MEMORY_PHASES:
-                    workers[s].stdin.write(phase + "\n")
-                    workers[s].stdin.flush()
-                    out = json.loads(answer(s))
+                    out = json.loads(ask(s, phase))
                     if rep:
                         got[(s, phase)].append(out)
-    finally:
         for w in workers.values():
             w.stdin.close()
-            w.wait(timeout=60)
+            if w.wait(timeout=120) != 0:
+                raise RuntimeError(f"a --host-memory worker for {size.name} exited with {w.returncode}")
+    finally:
+        for w in workers.values():
+            if w.poll() is None:
+                w.kill()
+                w.wait()
     phases = {}
     for phase in HOST_MEMORY_PHASES:
-        per = {s: {k: float(np.median([o[k] for o in got[(s, phase)]])) for k in ("s", "faults", "sys_s")}
+        per = {s: {k: float(np.median([o[k] for o in got[(s, phase)]])) for k in ("s", "faults", "sys_s", "user_s")}
                for s in HOST_MEMORY}
-        ratio = np.asarray([d["s"] / k["s"] for d, k in zip(got[("default", phase)], got[("keep", phase)])])
-        half = 1.96 * ratio.std(ddof=1) / np.sqrt(len(ratio))
-        phases[phase] = {**per, "ratio_mean": float(ratio.mean()), "ratio_low": float(ratio.mean() - half),
-                         "ratio_high": float(ratio.mean() + half)}
+        ratios = [d["s"] / k["s"] for d, k in zip(got[("default", phase)], got[("keep", phase)])]
+        ci = interval(ratios)
+        phases[phase] = {**per, "ratios": ratios, "ratio_mean": ci["mean"], "ratio_low": ci["lo"],
+                         "ratio_high": ci["hi"]}
     return {"phases": phases, "pairs": reps}
+
+
+def _host_memory_env() -> dict:
+    """The workers' environment: without settings of glibc's malloc that would override theirs."""
+    return {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+
+
+def _transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode (with "always", a fresh mapping faults in 2 MiB at a time)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
 
 
 def _host_memory_worker(size: Size, sync_period: int) -> None:
@@ -607,9 +642,10 @@ def _host_memory_worker(size: Size, sync_period: int) -> None:
         state, _ = step.step_placed(state, placed[name])
         steps[name][0] = jax.block_until_ready(state)
         seconds, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-        return {"s": seconds, "faults": after.ru_minflt - before.ru_minflt, "sys_s": after.ru_stime - before.ru_stime}
+        return {"s": seconds, "faults": after.ru_minflt - before.ru_minflt, "sys_s": after.ru_stime - before.ru_stime,
+                "user_s": after.ru_utime - before.ru_utime}
 
-    for phase in HOST_MEMORY_PHASES:  # compiled before the first request
+    for phase in HOST_MEMORY_PHASES * 3:  # compiled, and the heap grown to the steps' needs
         run(phase)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -643,10 +679,14 @@ def _settings_and_machine(sync_period: int, num_fragments: int, reps: int, overl
     """What a sync-cost, cpu-orders or host-memory JSON records of its settings and machine (K = 2)."""
     import jax
 
+    from diloco_eqx import host_memory
+
     return {"settings": {"num_replicas": 2, "sync_period": sync_period, "num_fragments": num_fragments,
                          "overlap_steps": overlap_steps, "reps": reps},
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version(), "jax": jax.__version__}}
+                        "python": platform.python_version(), "jax": jax.__version__,
+                        "libc": " ".join(platform.libc_ver()), "transparent_huge_pages": _transparent_huge_pages(),
+                        "keep_host_memory": host_memory.kept()}}
 
 
 def _model(size: Size, dtype: str = "float32"):

@@ -260,7 +260,7 @@ def metadata(job: Job, argv: list[str]) -> dict[str, Any]:
 
 def run(cfg: RunConfig, argv: list[str] | None = None) -> dict[str, Any]:
     """Run (or resume) one training job; returns the summary written to run.json."""
-    if cfg.keep_host_memory:  # before JAX starts its backend, when run from the command line
+    if cfg.keep_host_memory and host_memory.before_cpu_backend():  # as from the command line
         host_memory.keep_freed_memory()
     if cfg.diloco_slices:
         multiprocess.use_host_devices(cfg.diloco_slices * cfg.island_devices)

@@ -5,6 +5,7 @@ again, one fault per page. Each setting runs in a process of its own, set before
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from diloco_eqx import host_memory
 from tests.helpers import subprocess_env
 
-pytestmark = pytest.mark.skipif(not host_memory.available(), reason="sets glibc's malloc only")
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 SCRIPT = r"""
 import json, resource, sys
@@ -36,13 +37,17 @@ print(json.dumps({"temp": temp, "page": resource.getpagesize(), "faults": faults
 
 def faults_per_call(setting: str) -> tuple[float, float]:
     """(median page faults of a call, pages of the temporaries block) in a fresh process."""
-    out = subprocess.run([sys.executable, "-c", SCRIPT, setting], env=subprocess_env(), check=True,
+    env = {k: v for k, v in subprocess_env().items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, setting], env=env, check=True,
                          capture_output=True, text=True, timeout=300)
     r = json.loads(out.stdout.splitlines()[-1])
     assert r["temp"] >= 4 << 23  # the running sum is a temporary
     return float(np.median(r["faults"])), r["temp"] / r["page"]
 
 
+@pytest.mark.skipif(not host_memory.available(), reason="sets glibc's malloc only")
+@pytest.mark.skipif(THP.exists() and "[always]" in THP.read_text(),
+                    reason="transparent huge pages: a fresh mapping faults in 2 MiB at a time, not per page")
 def test_kept_memory_is_reused_where_glibc_faults_every_call_in():
     released, pages = faults_per_call("default")
     assert released >= 0.95 * pages  # every page of the block, fresh again
@@ -54,3 +59,26 @@ def test_off_glibc_nothing_is_set(monkeypatch):
     monkeypatch.setattr(host_memory, "_glibc", lambda: None)
     assert not host_memory.available()
     assert host_memory.keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_run_keeps_host_memory_unless_told_not_to(keep, monkeypatch, tmp_path):
+    """`run` sets malloc when `keep_host_memory` holds and JAX's CPU backend has not started
+    (the check that follows then stops the run: its directory is taken)."""
+    from diloco_eqx.training import runner
+    from diloco_eqx.training.config import RunConfig
+
+    calls = []
+    monkeypatch.setattr(host_memory, "before_cpu_backend", lambda: True)
+    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: calls.append("kept") or True)
+    (tmp_path / "run.json").write_text("{}")
+    with pytest.raises(ValueError, match="--resume"):
+        runner.run(RunConfig(out=str(tmp_path), keep_host_memory=keep))
+    assert calls == (["kept"] if keep else [])
+
+
+def test_not_before_a_started_backend(monkeypatch):
+    import jax
+
+    jax.devices()  # the backend has started
+    assert not host_memory.before_cpu_backend()

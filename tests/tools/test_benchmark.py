@@ -137,7 +137,7 @@ def test_committed_host_memory_json():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="compares glibc's malloc settings")
 def test_host_memory_json(tmp_path):
     path = tmp_path / "host_memory.json"
-    subprocess.run([sys.executable, "-m", "tools.benchmark", "--host-memory", "--sizes", "1M", "--reps", "2",
+    subprocess.run([sys.executable, "-m", "tools.benchmark", "--host-memory", "--sizes", "1M", "--reps", "3",
                     "--json", str(path)], cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, check=True,
                    capture_output=True, timeout=900)
     check_host_memory_json(json.loads(path.read_text()))
