@@ -111,7 +111,8 @@ def add_flags(group, default, extra: dict[str, dict] | None = None,
             continue
         meta = _meta(field, extra)
         flag = "--" + flag_name(field).replace("_", "-")
-        group.add_argument(flag, dest=flag_name(field), help=docs.get(field.name),
+        doc = docs.get(field.name)  # argparse reads % in a help text as a format
+        group.add_argument(flag, dest=flag_name(field), help=doc and doc.replace("%", "%%"),
                            **_kwargs(hints[field.name], value, meta))
 
 
