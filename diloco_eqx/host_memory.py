@@ -22,6 +22,7 @@ import functools
 import importlib.metadata
 import os
 import platform
+from pathlib import Path
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
@@ -83,3 +84,19 @@ def before_cpu_backend() -> bool:
         return platforms.split(",")[0].strip() == "cpu"
     installed = {d.metadata["Name"].lower() for d in importlib.metadata.distributions() if d.metadata["Name"]}
     return not installed & set(ACCELERATOR_PLUGINS)
+
+
+def without_malloc_settings(env: dict[str, str]) -> dict[str, str]:
+    """`env` without the variables that set glibc's malloc (for a child process whose own
+    setting is to count)."""
+    return {k: v for k, v in env.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode, or None where it has none: with "always", a
+    fresh mapping faults in 2 MiB at a time rather than a page at a time."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()

@@ -26,7 +26,6 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 DEVICES = 8
 MESHES = {  # name -> make_mesh sizes
@@ -543,13 +542,11 @@ def host_memory_cost(size: Size, reps: int, sync_period: int) -> dict:
     ratios default ÷ keep with its 95% Student-t interval."""
     import subprocess
 
-    import numpy as np
-
-    from experiments.stats import interval
+    from diloco_eqx import host_memory
 
     cmd = [sys.executable, "-m", "tools.benchmark", "--sizes", size.name, "--sync-period", str(sync_period)]
     workers = {s: subprocess.Popen([*cmd, "--host-memory-worker", s], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True, env=_host_memory_env()) for s in HOST_MEMORY}
+                                   text=True, env=host_memory.without_malloc_settings(dict(os.environ))) for s in HOST_MEMORY}
 
     def ask(s: str, phase: str | None = None) -> str:
         try:
@@ -584,29 +581,21 @@ def host_memory_cost(size: Size, reps: int, sync_period: int) -> dict:
             if w.poll() is None:
                 w.kill()
                 w.wait()
-    phases = {}
-    for phase in HOST_MEMORY_PHASES:
-        per = {s: {k: float(np.median([o[k] for o in got[(s, phase)]])) for k in ("s", "faults", "sys_s", "user_s")}
-               for s in HOST_MEMORY}
-        ratios = [d["s"] / k["s"] for d, k in zip(got[("default", phase)], got[("keep", phase)])]
-        ci = interval(ratios)
-        phases[phase] = {**per, "ratios": ratios, "ratio_mean": ci["mean"], "ratio_low": ci["lo"],
-                         "ratio_high": ci["hi"]}
-    return {"phases": phases, "pairs": reps}
+    return {"phases": {phase: _host_memory_phase(got, phase) for phase in HOST_MEMORY_PHASES}, "pairs": reps}
 
 
-def _host_memory_env() -> dict:
-    """The workers' environment: without settings of glibc's malloc that would override theirs."""
-    return {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+def _host_memory_phase(got: dict, phase: str) -> dict:
+    """One phase's medians per setting and its paired ratios default ÷ keep, with their mean
+    and 95% Student-t interval."""
+    import numpy as np
 
+    from experiments.stats import interval
 
-def _transparent_huge_pages() -> str | None:
-    """The kernel's transparent huge page mode (with "always", a fresh mapping faults in 2 MiB at a time)."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+    per = {s: {k: float(np.median([o[k] for o in got[(s, phase)]])) for k in ("s", "faults", "sys_s", "user_s")}
+           for s in HOST_MEMORY}
+    ratios = [d["s"] / k["s"] for d, k in zip(got[("default", phase)], got[("keep", phase)])]
+    ci = interval(ratios)
+    return {**per, "ratios": ratios, "ratio_mean": ci["mean"], "ratio_low": ci["lo"], "ratio_high": ci["hi"]}
 
 
 def _host_memory_worker(size: Size, sync_period: int) -> None:
@@ -685,7 +674,7 @@ def _settings_and_machine(sync_period: int, num_fragments: int, reps: int, overl
                          "overlap_steps": overlap_steps, "reps": reps},
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "jax": jax.__version__,
-                        "libc": " ".join(platform.libc_ver()), "transparent_huge_pages": _transparent_huge_pages(),
+                        "libc": " ".join(platform.libc_ver()), "transparent_huge_pages": host_memory.transparent_huge_pages(),
                         "keep_host_memory": host_memory.kept()}}
 
 

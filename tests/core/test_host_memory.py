@@ -5,15 +5,12 @@ again, one fault per page. Each setting runs in a process of its own, set before
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from diloco_eqx import host_memory
 from tests.helpers import subprocess_env
-
-THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 SCRIPT = r"""
 import json, resource, sys
@@ -37,8 +34,8 @@ print(json.dumps({"temp": temp, "page": resource.getpagesize(), "faults": faults
 
 def faults_per_call(setting: str) -> tuple[float, float]:
     """(median page faults of a call, pages of the temporaries block) in a fresh process."""
-    env = {k: v for k, v in subprocess_env().items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, setting], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, setting], env=host_memory.without_malloc_settings(subprocess_env()),
+                         check=True,
                          capture_output=True, text=True, timeout=300)
     r = json.loads(out.stdout.splitlines()[-1])
     assert r["temp"] >= 4 << 23  # the running sum is a temporary
@@ -46,7 +43,7 @@ def faults_per_call(setting: str) -> tuple[float, float]:
 
 
 @pytest.mark.skipif(not host_memory.available(), reason="sets glibc's malloc only")
-@pytest.mark.skipif(THP.exists() and "[always]" in THP.read_text(),
+@pytest.mark.skipif(host_memory.transparent_huge_pages() == "always",
                     reason="transparent huge pages: a fresh mapping faults in 2 MiB at a time, not per page")
 def test_kept_memory_is_reused_where_glibc_faults_every_call_in():
     released, pages = faults_per_call("default")

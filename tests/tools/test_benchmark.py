@@ -14,13 +14,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def benchmark_json(tmp_path, *flags: str, timeout: int = 900) -> dict:
+    """The JSON `tools.benchmark` writes with `flags`, run with XLA's normal optimization."""
+    path = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "-m", "tools.benchmark", *flags, "--json", str(path)], cwd=ROOT,
+                   env={**os.environ, "XLA_FLAGS": ""}, check=True, capture_output=True, timeout=timeout)
+    return json.loads(path.read_text())
+
+
 @pytest.mark.slow
 def test_quick_benchmark_json(tmp_path):
-    path = tmp_path / "bench.json"
-    env = {**os.environ, "XLA_FLAGS": ""}
-    subprocess.run([sys.executable, "-m", "tools.benchmark", "--quick", "--reps", "5", "--json", str(path)],
-                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=1800)
-    check_quick_json(json.loads(path.read_text()))
+    check_quick_json(benchmark_json(tmp_path, "--quick", "--reps", "5", timeout=1800))
 
 
 def check_quick_json(result: dict) -> None:
@@ -102,11 +106,7 @@ def test_committed_cpu_orders_json():
 
 @pytest.mark.slow
 def test_cpu_orders_json(tmp_path):
-    path = tmp_path / "orders.json"
-    subprocess.run([sys.executable, "-m", "tools.benchmark", "--cpu-orders", "--sizes", "1M", "--reps", "2",
-                    "--json", str(path)], cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, check=True,
-                   capture_output=True, timeout=900)
-    check_orders_json(json.loads(path.read_text()))
+    check_orders_json(benchmark_json(tmp_path, "--cpu-orders", "--sizes", "1M", "--reps", "2"))
 
 
 def check_host_memory_json(result: dict) -> None:
@@ -136,8 +136,4 @@ def test_committed_host_memory_json():
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="compares glibc's malloc settings")
 def test_host_memory_json(tmp_path):
-    path = tmp_path / "host_memory.json"
-    subprocess.run([sys.executable, "-m", "tools.benchmark", "--host-memory", "--sizes", "1M", "--reps", "3",
-                    "--json", str(path)], cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, check=True,
-                   capture_output=True, timeout=900)
-    check_host_memory_json(json.loads(path.read_text()))
+    check_host_memory_json(benchmark_json(tmp_path, "--host-memory", "--sizes", "1M", "--reps", "3"))
