@@ -2,13 +2,12 @@
 
 By default none: XLA picks. On CPU, `cpu_scheduler("memory")` builds the steps made inside
 it with XLA:CPU's memory-optimized instruction order instead of its default, concurrency-
-optimized one. The default order runs a Streaming step's deferred exchange (V >= 1)
-between the forward and backward passes. At its peak the step then holds the stash and no
-more, but the block XLA lays out for its temporaries came out 6% and 20% larger than the
-stash needs at 10M and 30M parameters; the memory order lays it out within 3% there, while
-at 1M it is the default order that does
-(`tools/benchmark.py --cpu-orders` measures both, side by side). The order never changes a
-step's numbers. A whole run takes XLA's own flag:
+optimized one. The order never changes a step's numbers, and it lowers every step's
+absolute memory, but it was slower where paired step times told them apart (`tools/benchmark.py --cpu-orders`
+measures both, side by side). Under the default order a Streaming step's deferred exchange
+(V >= 1) once ran between the forward and backward passes and made the step's block of
+temporaries up to a stash larger than it holds; on CPU the exchange now waits for the inner
+step instead (`step.exchange_waits_by_default`). A whole run takes XLA's own flag:
 XLA_FLAGS=--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED.
 """
 

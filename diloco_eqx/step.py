@@ -66,6 +66,7 @@ class Plan:
     deferred: bool
     param_specs: mesh_lib.ParamSpecs | None = None
     backend: str = "shard_map"
+    exchange_after_inner: bool = False
     fragments: Fragmentation | None = None
     stash: Stash | None = None
 
@@ -202,6 +203,14 @@ def _loop_variant(trip: Int[Array, ""], tree: PyTree) -> PyTree:
     return jax.tree.map(one, tree)
 
 
+def finished(tree: PyTree) -> Int[Array, ""]:
+    """0 or 1, read from the first value of every floating-point leaf of `tree`: given to an
+    event as `after` (see `when`), it makes the event wait until all of `tree` is computed.
+    Where a body sees only its own islands, each of one device, the values read are local."""
+    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(params(tree))]
+    return jnp.isnan(sum(firsts, jnp.zeros((), jnp.float32))).astype(jnp.int32)
+
+
 # ---------------------------------------------------------------- the inner step
 
 
@@ -328,15 +337,15 @@ def pin_exchange(plan: Plan, out):
     return plan.pin_outer(outer), plan.pin_outer(outer_opt), plan.pin_islands(residual), *rest
 
 
-def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bool = False):
+def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bool = False, after=None):
     """The sync event at step `t` (of fragment f(t), if t is a sync step), taken unchecked
     (lossless codecs), then, if it was not trusted, again checked (see `exchange_fragment`);
     `exchange(f, t, source, outer, outer_opt, residual, checked=)` is one fragment's. With
-    `count`, the trips of both (see `when`)."""
+    `count`, the trips of both; `after` as in `when`."""
     p, pin, predicate = plan.schedule.num_fragments, partial(pin_exchange, plan), plan.schedule.is_sync(t)
     lossless = plan.cfg.codec.lossless
     branches = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=not lossless) for f in range(p)]
-    ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True)
+    ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True, after=after)
     if lossless:
         again = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=True) for f in range(p)]
         with jax.named_scope(RECHECK_SCOPE):
@@ -353,11 +362,11 @@ def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
     return out[:5]
 
 
-def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual, count: bool = False):
+def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual, count: bool = False, after=None):
     """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step
-    (with `count`, also its trip count: see `when`)."""
+    (with `count`, also its trip count; `after` as in `when`)."""
     out = checked_again(plan, t_sync, plan.schedule.fragment_at(t_sync), partial(exchange_stashed, plan),
-                        no_exchange(plan, outer, outer_opt, residual), pending, count=count)
+                        no_exchange(plan, outer, outer_opt, residual), pending, count=count, after=after)
     return (out[0], out[1][:5]) if count else out[:5]
 
 
@@ -531,14 +540,16 @@ def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tup
 
 
 def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tuple[DiLoCoState, StepReport]:
-    """The exchange of the sync stashed in the previous step, then inner step, stash of this
-    step's sync, and apply."""
-    with jax.named_scope("diloco_sync"):
-        exchanged, (outer, outer_opt, residual, report, _) = exchange_stage(
-            plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual, count=True)
+    """The exchange of the sync stashed in the previous step, which reads nothing of this
+    step's inner step (or, `exchange_after_inner`, waits for it), then the stash of this
+    step's sync, and the apply."""
     t = s.step + 1
     with jax.named_scope("inner_step"):
         inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches, t)
+    wait = finished(inner) if plan.exchange_after_inner else None
+    with jax.named_scope("diloco_sync"):
+        exchanged, (outer, outer_opt, residual, report, _) = exchange_stage(
+            plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual, count=True, after=wait)
     with jax.named_scope("diloco_stash"):
         stashed, pending = stash_stage(plan, t, inner, outer, s.pending, after=exchanged)
     with jax.named_scope("diloco_apply"):
@@ -680,6 +691,7 @@ def make_train_step(
     deferred: bool | None = None,
     param_specs: mesh_lib.ParamSpecs | None = None,
     backend: str = "shard_map",
+    exchange_after_inner: bool | None = None,
 ) -> TrainStep:
     """The global step for `cfg`: `train_step(state, batch) -> (state, metrics)`.
 
@@ -694,7 +706,9 @@ def make_train_step(
     `backend` says how the step reaches across islands: "shard_map" (manual over the diloco
     axis, every cross-island collective written out) or "drjax" (MaxText's formulation:
     drjax's map and reduce under plain jit, collectives chosen by GSPMD); same numbers, same
-    state.
+    state. `exchange_after_inner` makes the deferred exchange wait for the inner step (default:
+    on XLA:CPU with islands of one device, see `exchange_waits_by_default`); the numbers do not
+    change.
     """
     if deferred is None:
         deferred = cfg.streaming and cfg.overlap_steps >= 1
@@ -705,5 +719,28 @@ def make_train_step(
         )
     mesh_lib.check_divides(cfg.num_replicas, mesh)
     make_islands(backend, mesh, cfg.num_replicas)  # an unknown backend fails here, by name
+    if exchange_after_inner is None:
+        exchange_after_inner = deferred and exchange_waits_by_default(mesh, backend)
+    if exchange_after_inner and not deferred:
+        raise ValueError("exchange_after_inner=True needs the deferred exchange (streaming=True, "
+                         "overlap_steps (V) >= 1, deferred not False); the direct form's sync "
+                         "always follows the inner step")
     outer_tx = sync.outer_optimizer(cfg) if outer_optimizer is None else outer_optimizer
-    return TrainStep(Plan(cfg, loss_fn, inner_optimizer, outer_tx, mesh, layers, deferred, param_specs, backend))
+    return TrainStep(Plan(cfg, loss_fn, inner_optimizer, outer_tx, mesh, layers, deferred, param_specs, backend,
+                          exchange_after_inner))
+
+
+def exchange_waits_by_default(mesh: Mesh | None, backend: str = "shard_map") -> bool:
+    """Whether a deferred exchange waits for the inner step unless told: on XLA:CPU, with
+    islands of one device whose values the step's body reads where they live.
+
+    XLA:CPU's default instruction order runs the exchange between the forward and backward
+    passes, where the saved activations are live, and lays out its temporaries beside them:
+    the step's block of temporaries grew by up to the stash's size (30M parameters) although
+    at its peak it holds only the stash. After the inner step they reuse the activations'
+    space. On an accelerator the exchange stays free to run under the inner step. Waiting
+    reads the first value of each island's leaves (`finished`): on islands of several devices,
+    or under drjax, whose body sees every island, that read would cross devices on every step."""
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    local = mesh is None or (backend == "shard_map" and mesh_lib.island_size(mesh) == 1)
+    return platform == "cpu" and local

@@ -5,6 +5,10 @@ critical path of the step that runs it.
     python -m tools.sync_dependencies --overlap-steps 1 --direct # the direct form, for contrast
     python -m tools.sync_dependencies --no-streaming
 
+The deferred exchange is traced as it is built for an accelerator, free to run under the inner
+step; `--exchange-after-inner` traces it as XLA:CPU runs it by default on islands of one device
+(waiting for the inner step; see `diloco_eqx.step.exchange_waits_by_default`).
+
 For every cross-island collective in the traced step: its primitive, its scope, and how
 many equations of the same step's inner step (forward, backward, AdamW) it depends on;
 then whether any inner-step equation depends on a collective. See diloco_eqx/analysis/critical_path.py.
@@ -25,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.description = __doc__
     p.add_argument("--direct", action="store_true",
                    help="force the direct form (exchange inside the sync step) even for V >= 1")
+    p.add_argument("--exchange-after-inner", action="store_true",
+                   help="the deferred exchange waiting for the inner step, as XLA:CPU runs it by default")
     return p
 
 
@@ -39,17 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     from models.transformer import loss_fn
     from tools.comm_report import _mesh, _model, config_from
 
+    model = _model(args.layers, args.width, args.heads, args.seq_len)
+    inner = optax.adamw(1e-3)
     try:
         cfg = config_from(args)
         mesh = _mesh(d, args.data_parallel, args.fsdp)
+        step = dl.make_train_step(cfg, loss_fn, inner, mesh, deferred=False if args.direct else None,
+                                  backend=args.backend, exchange_after_inner=args.exchange_after_inner)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model = _model(args.layers, args.width, args.heads, args.seq_len)
-    inner = optax.adamw(1e-3)
     state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, loss_fn, inner, mesh, deferred=False if args.direct else None,
-                              backend=args.backend)
     batch = np.zeros((args.global_batch or 2 * args.num_replicas, args.seq_len + 1), np.int32)
     a = critical_path.analyze(step.jaxpr(state, batch))
     form = "deferred exchange" if step.deferred else "direct form"

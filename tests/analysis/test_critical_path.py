@@ -37,13 +37,14 @@ CROSSING = {"shard_map": {"psum_invariant", "psum", "all_gather_invariant", "all
             "drjax": {"sum_from_diloco", "sharding_constraint"}}
 
 
-def analysis(deferred, cfg=None, mesh_size=2, backend="shard_map"):
+def analysis(deferred, cfg=None, mesh_size=2, backend="shard_map", exchange_after_inner=None):
     cfg = cfg or dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
                                  overlap_steps=1)
     mesh = dl.make_mesh(**mesh_size) if isinstance(mesh_size, dict) else dl.make_mesh(mesh_size)
     inner = optax.adamw(0.01)
     state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred, backend=backend)
+    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred, backend=backend,
+                              exchange_after_inner=exchange_after_inner)
     return critical_path.analyze(step.jaxpr(state, batches(1)[0]))
 
 
@@ -53,7 +54,7 @@ def analysis(deferred, cfg=None, mesh_size=2, backend="shard_map"):
 def test_deferred_collective_is_independent_of_the_inner_step(compression, mesh, backend):
     cfg = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3,
                           overlap_steps=2, compression=compression)
-    a = analysis(True, cfg, mesh, backend)
+    a = analysis(True, cfg, mesh, backend, exchange_after_inner=False)  # as on an accelerator
     colls = a.collectives()
     assert colls and {c.primitive for c in colls} <= CROSSING[backend]
     assert all("diloco_sync" in c.scope.split("/") for c in colls)
@@ -68,6 +69,28 @@ def test_direct_form_collective_waits_for_the_inner_step(backend):
     a = analysis(False, backend=backend)
     assert a.collectives()
     assert all(n > 0 for n in a.collective_depends_on_inner_step().values())
+
+
+@pytest.mark.parametrize("mesh, backend, waits", [(2, "shard_map", True), (2, "drjax", False),
+                                                  (dict(diloco=2, data=2, fsdp=2), "shard_map", False)],
+                         ids=["islands-of-one-device", "drjax", "island-mesh"])
+def test_cpu_default_exchange_waits_for_the_inner_step(mesh, backend, waits):
+    """On XLA:CPU, where the step's body reads its own islands of one device, the exchange
+    waits for the inner step by default (its temporaries then reuse the activations' space);
+    the inner step still never waits for it. Elsewhere it stays free."""
+    deps = analysis(True, None, mesh, backend).collective_depends_on_inner_step()
+    # waiting, each collective depends on what the direct form's sync does: every equation
+    # that computes the islands' new parameters
+    direct = analysis(False, None, mesh, backend).collective_depends_on_inner_step()
+    assert deps and set(deps.values()) == (set(direct.values()) if waits else {0})
+    assert min(direct.values()) > 0
+    assert analysis(True, None, mesh, backend).inner_step_depends_on_collective() == set()
+
+
+def test_exchange_after_inner_needs_the_deferred_form():
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3, overlap_steps=1)
+    with pytest.raises(ValueError, match=r"exchange_after_inner=True needs the deferred exchange"):
+        dl.make_train_step(cfg, toy_loss, optax.sgd(0.1), deferred=False, exchange_after_inner=True)
 
 
 def test_deferred_needs_overlap():
@@ -85,3 +108,6 @@ def test_tool_prints_the_evidence(capsys):
     assert "deferred exchange" in out and "off the critical path" in out
     assert sync_dependencies.main(small + ["--direct"]) == 0
     assert "on the critical path" in capsys.readouterr().out
+    assert sync_dependencies.main(small + ["--exchange-after-inner"]) == 0
+    out = capsys.readouterr().out
+    assert "waits for the inner step" in out and "inner-step equations that depend on a collective: 0" in out
