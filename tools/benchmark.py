@@ -4,6 +4,7 @@
     python -m tools.benchmark --sizes 1M 10M --meshes 2x1 2x2data 2x2fsdp 2x4fsdp
     python -m tools.benchmark --quick --json bench.json
     python -m tools.benchmark --backends shard_map       # only the default backend's steps
+    python -m tools.benchmark --exchange-placement --sizes 10M 30M  # the deferred exchange, waiting or free
 
 Everything is measured side by side in one process and reported as ratios to the plain step
 (K islands each taking an inner AdamW step, no DiLoCo logic), since absolute times on a shared
@@ -83,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-orders", action="store_true",
                         help="instead of the step table: memory and paired step times of each size under "
                              "XLA:CPU's two instruction orders (diloco_eqx.cpu_scheduler; no mesh, CPU only)")
+    parser.add_argument("--exchange-placement", action="store_true",
+                        help="instead of the step table: memory and paired step times of Streaming's deferred "
+                             "exchange waiting for the inner step (XLA:CPU's default) and free (no mesh, CPU only)")
     parser.add_argument("--host-memory", action="store_true",
                         help="instead of the step table: full-batch steps with freed host memory kept for reuse "
                              "(diloco_eqx.host_memory, as runs do) and returned as glibc does, side by side in "
@@ -113,6 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.host_memory:
         result = run_host_memory(sizes, reps, args.sync_period)
         print(format_host_memory(result["host_memory"]))
+    elif args.exchange_placement:
+        result = run_exchange_placement(sizes, reps, args.sync_period, args.num_fragments)
+        print(format_exchange_placement(result["exchange_placement"]))
     elif args.cpu_orders:
         result = run_cpu_orders(sizes, reps, args.sync_period, args.num_fragments)
         print(format_orders(result["cpu_orders"]))
@@ -348,6 +355,7 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
 
     import diloco_eqx as dl
     from diloco_eqx.analysis.plain import make_plain_step
+    from experiments.stats import interval
     from models.transformer import count_params, loss_fn
 
     n, inner = count_params(model), optax.adamw(1e-3)
@@ -383,6 +391,11 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
                 times[(mode, t)].append(time.perf_counter() - t0)
             steps[mode][0] = state
     diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
+
+    def ratio(a, b):  # the mean paired ratio with its 95% t-interval
+        ci = interval(list(np.divide(times[a], times[b])))
+        return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"]}
+
     island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
     floor_bytes = (k * island_bytes + 2 * 4) * n  # K islands, outer model and trace (float32)
     floor = _stream_floor(floor_bytes // 4)
@@ -404,7 +417,9 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
             "streaming_sync_extra_s": streaming_extra,
             "streaming_over_vanilla": streaming_extra / vanilla_extra, "one_over_p": 1 / num_fragments,
             "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
-            "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)), "reps": reps}
+            "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)),
+            **{f"{mode}_nonsync_ratio": ratio((mode, 5), ("plain", None)) for mode in ("diloco", "streaming")},
+            "reps": reps}
 
 
 def _live_extra(memory: dict, config: str, mode: str) -> int | None:
@@ -490,17 +505,21 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
     return {"params": n, "resident_bytes": memory, "modes": modes, "times": timing, "reps": reps}
 
 
-def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int) -> dict:
-    """{(order, phase): seconds per repetition}; in each repetition the two orders run each
-    phase back to back, alternating which goes first. `steps` holds [state, step] lists."""
+def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int,
+                        pair: tuple[str, str] = ("concurrency", "memory")) -> dict:
+    """{(variant, phase): seconds per repetition}; in each repetition the two variants of
+    `pair` run each phase back to back, alternating which goes first. `steps` holds [state,
+    step] lists keyed (variant, mode); a phase is (mode, the step t to run, or a list of
+    them taken in turn, or None to go on from the state's own step)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
 
     times = {}
     for rep in range(reps + 1):
-        for name, (mode, t) in phases.items():
-            for order in (("memory", "concurrency") if rep % 2 else ("concurrency", "memory")):
+        for name, (mode, ts) in phases.items():
+            t = ts[rep % len(ts)] if isinstance(ts, list) else ts
+            for order in (pair[::-1] if rep % 2 else pair):
                 state, step = steps[order, mode]
                 if t is not None:
                     state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(t - 1, jnp.int32)))
@@ -511,6 +530,77 @@ def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int) -> d
                     times.setdefault((order, name), []).append(time.perf_counter() - t0)
                 steps[order, mode][0] = state
     return times
+
+
+def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
+    """The deferred exchange (Streaming, V = 1) free to run anywhere ("free", as built for an
+    accelerator) and waiting for the inner step ("after_inner", XLA:CPU's default), side by
+    side: each step's resident and live-peak extra over plain against the formula, and
+    full-batch times paired within each repetition (alternating which runs first) of a step
+    with no event, a stash step and an exchange step (fragments taken in turn). Ratios are
+    after_inner / free: the mean with its 95% t-interval over the repetitions."""
+    import equinox as eqx
+    import numpy as np
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx.analysis import profiling
+    from diloco_eqx.analysis.plain import make_plain_step
+    from experiments.stats import interval
+    from models.transformer import count_params, loss_fn
+
+    inner, n = optax.adamw(1e-3), count_params(model)
+    batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
+    cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True, num_fragments=num_fragments,
+                          overlap_steps=1)
+    largest = max(dl.Fragmentation.from_model(model, cfg).param_counts(eqx.filter(model, eqx.is_inexact_array)))
+    want = 8 * n + k * largest * 4
+    state, plain = make_plain_step(model, loss_fn, inner, k)
+    compiled, plain_live = profiling.live_peak(plain.lower(state, batch))
+    plain_bytes = profiling.memory(compiled)["resident_bytes"]
+    steps, memory = {}, {}
+    for variant, after in (("free", False), ("after_inner", True)):
+        step = dl.make_train_step(cfg, loss_fn, inner, exchange_after_inner=after)
+        steps[variant, "deferred"] = [dl.init_state(model, inner, cfg), step]
+        compiled, live = profiling.live_peak(step.lower(steps[variant, "deferred"][0], batch))
+        memory[variant] = {"extra_bytes": profiling.memory(compiled)["resident_bytes"] - plain_bytes,
+                           "live_extra_bytes": None if live is None or plain_live is None else live - plain_live,
+                           "expected_extra_bytes": want}
+    dh = dl.Schedule.from_config(cfg).steps_between_syncs
+    phases = {"nonsync": ("deferred", 5), "stash": ("deferred", [dh * j for j in range(1, num_fragments + 1)]),
+              "exchange": ("deferred", [dh * j + 1 for j in range(1, num_fragments + 1)])}
+    placed = {key: step.place_batch(batch) for key, (_, step) in steps.items()}
+    times = _paired_order_times(steps, placed, phases, reps, pair=("free", "after_inner"))
+    timing = {}
+    for name in phases:
+        ci = interval(list(np.divide(times["after_inner", name], times["free", name])))
+        timing[name] = {"after_inner_s": float(np.median(times["after_inner", name])),
+                        "free_s": float(np.median(times["free", name])),
+                        "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
+    return {"params": n, "plain_resident_bytes": plain_bytes, "memory": memory, "times": timing, "reps": reps}
+
+
+def run_exchange_placement(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
+    import jax
+
+    if jax.default_backend() != "cpu":
+        raise SystemExit("--exchange-placement: compares the CPU default with the free placement; this "
+                         f"machine's backend is {jax.default_backend()}")
+    out = {size.name: exchange_placement(_model(size), size, 2, sync_period, num_fragments, reps) for size in sizes}
+    return {"exchange_placement": out, **_settings_and_machine(sync_period, num_fragments, reps)}
+
+
+def format_exchange_placement(result: dict) -> str:
+    lines = []
+    for size, c in result.items():
+        lines.append(f"{size} extra / expected, allocated (live at the peak): " + ", ".join(
+            f"{v} {m['extra_bytes'] / m['expected_extra_bytes']:.4f}"
+            + ("" if m["live_extra_bytes"] is None else f" ({m['live_extra_bytes'] / m['expected_extra_bytes']:.4f})")
+            for v, m in c["memory"].items()))
+        lines.append(f"{size} step time, after_inner / free (mean [95%], {c['reps']} paired reps): " + ", ".join(
+            f"{name} {t['time_ratio']:.3f} [{t['time_ratio_low']:.3f}, {t['time_ratio_high']:.3f}] "
+            f"({1e3 * t['free_s']:.0f} ms)" for name, t in c["times"].items()))
+    return "\n".join(lines)
 
 
 def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
@@ -862,7 +952,9 @@ def _format_sync_cost(costs: dict) -> list[str]:
                      f"{c['handwritten_over_floor']:.2f}x floor); streaming sync (stash + exchange) "
                      f"+{1e3 * c['streaming_sync_extra_s']:.1f} ms = {c['streaming_over_vanilla']:.2f} of vanilla's "
                      f"(1/P = {c['one_over_p']:.2f}); non-sync step +{1e3 * c['diloco_nonsync_extra_s']:.1f} / "
-                     f"+{1e3 * c['streaming_nonsync_extra_s']:.1f} ms over plain ({1e3 * c['plain_s']:.0f} ms)")
+                     f"+{1e3 * c['streaming_nonsync_extra_s']:.1f} ms over plain ({1e3 * c['plain_s']:.0f} ms)"
+                     + "".join(f"; {m} non-sync / plain {r['mean']:.4f} [{r['low']:.4f}, {r['high']:.4f}]"
+                               for m in ("diloco", "streaming") if (r := c.get(f"{m}_nonsync_ratio"))))
         lines.append(f"{name} streaming sync per fragment (stash + exchange and apply, ÷ vanilla's; share of Θ): " + ", ".join(
             f"{p['fragment']}: {1e3 * p['stash_extra_s']:.1f} + {1e3 * p['exchange_apply_extra_s']:.1f} ms = "
             f"{p['over_vanilla']:.2f} ({p['param_fraction']:.2f})" for p in c["streaming_per_fragment"])

@@ -55,6 +55,9 @@ def check_quick_json(result: dict) -> None:
     assert cost["vanilla_extra_over_handwritten"] == pytest.approx(cost["vanilla_sync_extra_s"] / cost["handwritten_sync_s"])
     assert cost["stash_extra_s"] + cost["exchange_apply_extra_s"] == pytest.approx(cost["streaming_sync_extra_s"])
     assert cost["one_over_p"] == 1 / result["settings"]["num_fragments"]
+    for mode in ("diloco", "streaming"):  # non-sync steps over plain, paired, with an interval
+        r = cost[f"{mode}_nonsync_ratio"]
+        assert 0 < r["low"] <= r["mean"] <= r["high"], (mode, r)
     # every fragment's sync timed equally often; the cycle's mean is of the per-fragment costs
     per = cost["streaming_per_fragment"]
     assert [p["fragment"] for p in per] == list(range(result["settings"]["num_fragments"]))
@@ -93,8 +96,9 @@ def check_orders_json(result: dict) -> None:
 
 
 def test_committed_cpu_orders_json():
-    """benchmarks/cpu_orders.json as committed: at 10M and 30M the memory order holds the
-    deferred stash within 5% of its formula, where XLA's default order does not."""
+    """benchmarks/cpu_orders.json as committed (d729298, before the deferred exchange waited
+    for the inner step on CPU): at 10M and 30M the memory order held the deferred stash within
+    5% of its formula, where XLA's default order did not."""
     result = json.loads((ROOT / "benchmarks" / "cpu_orders.json").read_text())
     check_orders_json(result)
     for size in ("10M", "30M"):
@@ -107,6 +111,38 @@ def test_committed_cpu_orders_json():
 @pytest.mark.slow
 def test_cpu_orders_json(tmp_path):
     check_orders_json(benchmark_json(tmp_path, "--cpu-orders", "--sizes", "1M", "--reps", "2"))
+
+
+def check_exchange_placement_json(result: dict) -> None:
+    """What an `--exchange-placement` JSON must hold: both placements' extras over the same
+    plain step against the stash formula, and paired time ratios with their intervals."""
+    for size, c in result["exchange_placement"].items():
+        assert set(c["memory"]) == {"free", "after_inner"}
+        for m in c["memory"].values():
+            assert m["extra_bytes"] > 8 * c["params"] and m["expected_extra_bytes"] > 8 * c["params"]
+            assert abs(m["live_extra_bytes"] / m["expected_extra_bytes"] - 1) < 0.001, (size, m)
+        assert set(c["times"]) == {"nonsync", "stash", "exchange"}
+        for name, t in c["times"].items():
+            assert t["time_ratio_low"] <= t["time_ratio"] <= t["time_ratio_high"], name
+            assert t["free_s"] > 0 and t["after_inner_s"] > 0
+
+
+def test_committed_exchange_placement_json():
+    """benchmarks/cpu_exchange_placement.json as committed: with the exchange after the inner
+    step the deferred stash is within 5% of its formula at every size (1M, 10M, 30M), where
+    free it was not at 30M."""
+    result = json.loads((ROOT / "benchmarks" / "cpu_exchange_placement.json").read_text())
+    check_exchange_placement_json(result)
+    assert set(result["exchange_placement"]) == {"1M", "10M", "30M"}
+    ratio = {size: {v: m["extra_bytes"] / m["expected_extra_bytes"] for v, m in c["memory"].items()}
+             for size, c in result["exchange_placement"].items()}
+    assert all(abs(r["after_inner"] - 1) < 0.05 for r in ratio.values()), ratio
+    assert ratio["30M"]["free"] > 1.05, ratio
+
+
+@pytest.mark.slow
+def test_exchange_placement_json(tmp_path):
+    check_exchange_placement_json(benchmark_json(tmp_path, "--exchange-placement", "--sizes", "1M", "--reps", "2"))
 
 
 def check_host_memory_json(result: dict) -> None:
