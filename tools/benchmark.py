@@ -467,7 +467,6 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
     from diloco_eqx.analysis import profiling
     from diloco_eqx.analysis.plain import make_plain_step
     from diloco_eqx.compiler import CPU_SCHEDULERS
-    from experiments.stats import interval
     from models.transformer import count_params, loss_fn
 
     inner, n = optax.adamw(1e-3), count_params(model)
@@ -496,13 +495,23 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
               "streaming_sync": ("streaming_deferred", dh)}
     times = _paired_order_times(steps, {key: step.place_batch(batch) for key, (_, step) in steps.items()},
                                 phases, reps)
-    timing = {}
-    for name in phases:
-        ci = interval(list(np.divide(times["memory", name], times["concurrency", name])))
-        timing[name] = {"memory_s": float(np.median(times["memory", name])),
-                        "concurrency_s": float(np.median(times["concurrency", name])),
-                        "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
+    timing = _paired_ratios(times, phases, "memory", "concurrency")
     return {"params": n, "resident_bytes": memory, "modes": modes, "times": timing, "reps": reps}
+
+
+def _paired_ratios(times: dict, phases, over: str, under: str) -> dict:
+    """Per phase: both variants' median seconds and the mean paired ratio `over` / `under`
+    with its 95% t-interval."""
+    import numpy as np
+
+    from experiments.stats import interval
+
+    out = {}
+    for name in phases:
+        ci = interval(list(np.divide(times[over, name], times[under, name])))
+        out[name] = {f"{over}_s": float(np.median(times[over, name])), f"{under}_s": float(np.median(times[under, name])),
+                     "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
+    return out
 
 
 def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int,
@@ -546,7 +555,6 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
     import diloco_eqx as dl
     from diloco_eqx.analysis import profiling
     from diloco_eqx.analysis.plain import make_plain_step
-    from experiments.stats import interval
     from models.transformer import count_params, loss_fn
 
     inner, n = optax.adamw(1e-3), count_params(model)
@@ -571,12 +579,7 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
               "exchange": ("deferred", [dh * j + 1 for j in range(1, num_fragments + 1)])}
     placed = {key: step.place_batch(batch) for key, (_, step) in steps.items()}
     times = _paired_order_times(steps, placed, phases, reps, pair=("free", "after_inner"))
-    timing = {}
-    for name in phases:
-        ci = interval(list(np.divide(times["after_inner", name], times["free", name])))
-        timing[name] = {"after_inner_s": float(np.median(times["after_inner", name])),
-                        "free_s": float(np.median(times["free", name])),
-                        "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
+    timing = _paired_ratios(times, phases, "after_inner", "free")
     return {"params": n, "plain_resident_bytes": plain_bytes, "memory": memory, "times": timing, "reps": reps}
 
 
