@@ -264,7 +264,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
             plain_median = float(np.median(times[("plain", "step")]))
             amort_plain = float(np.median(amort["plain"]))
             for (mode, phase), ts in times.items():
-                rows.append(_row(np, size.name, mesh_name, mode, phase, ts, plain_median))
+                rows.append(_row(np, size.name, mesh_name, mode, phase, ts, plain_median, times[("plain", "step")]))
             for mode in amort:
                 rows.append(_row(np, size.name, mesh_name, mode, "amortized", amort[mode], amort_plain))
             devices = 1 if mesh is None else mesh.size
@@ -898,21 +898,31 @@ def _matmul_flops(jax, jnp, n=None, reps=10, dtype=None) -> float:
     return 2 * n**3 / float(np.median(ts))
 
 
-def _row(np, size, mesh, mode, phase, ts, plain):
+def _row(np, size, mesh, mode, phase, ts, plain, paired=None):
+    """One table row; with `paired` (plain's times in the same repetitions), also the mean
+    ratio of each repetition's time to plain's with its 95% t-interval."""
+    from experiments.stats import interval
+
     median = float(np.median(ts))
     backend = "drjax" if mode.endswith("_drjax") else "shard_map"
-    return {"size": size, "mesh": mesh, "mode": mode, "backend": backend, "phase": phase, "median_s": median,
-            "p10_s": float(np.percentile(ts, 10)), "p90_s": float(np.percentile(ts, 90)),
-            "n": len(ts), "ratio_to_plain": median / plain}
+    row = {"size": size, "mesh": mesh, "mode": mode, "backend": backend, "phase": phase, "median_s": median,
+           "p10_s": float(np.percentile(ts, 10)), "p90_s": float(np.percentile(ts, 90)),
+           "n": len(ts), "ratio_to_plain": median / plain}
+    if paired is not None:
+        ci = interval(list(np.divide(ts, paired)))
+        row.update(paired_ratio=ci["mean"], paired_ratio_low=ci["lo"], paired_ratio_high=ci["hi"])
+    return row
 
 
 def format_table(result: dict) -> str:
     lines = [f"{'size':>5} {'mesh':>13} {'mode':>16} {'phase':>9} {'median ms':>10} "
-             f"{'p10-p90 ms':>15} {'ratio':>7}"]
+             f"{'p10-p90 ms':>15} {'ratio':>7}  paired ratio [95%]"]
     for r in result["rows"]:
+        paired = (f"  {r['paired_ratio']:.3f} [{r['paired_ratio_low']:.3f}, {r['paired_ratio_high']:.3f}]"
+                  if "paired_ratio" in r else "")
         lines.append(f"{r['size']:>5} {r['mesh']:>13} {r['mode']:>16} {r['phase']:>9} "
                      f"{1e3 * r['median_s']:>10.2f} {1e3 * r['p10_s']:>7.2f}-{1e3 * r['p90_s']:<7.2f}"
-                     f"{r['ratio_to_plain']:>7.3f}")
+                     f"{r['ratio_to_plain']:>7.3f}{paired}")
     lines.append("")
     for key, c in result["compile"].items():
         lines.append(f"compilations of the step over {c['steps']} steps (>= 2·H_eff), {key}: "

@@ -77,6 +77,8 @@ def check_quick_json(result: dict) -> None:
     for r in result["rows"]:
         assert set(r) >= {"size", "mode", "phase", "median_s", "ratio_to_plain"}
         assert r["median_s"] > 0 and r["size"] == "1M"
+        if r["phase"] != "amortized":  # each repetition's time over plain's in the same repetition
+            assert r["paired_ratio_low"] <= r["paired_ratio"] <= r["paired_ratio_high"], r
 
 
 def check_orders_json(result: dict) -> None:
