@@ -39,10 +39,15 @@ def cpu_scheduler(name: str) -> Iterator[None]:
         _cpu_scheduler.reset(token)
 
 
+def platform(mesh: Mesh | None) -> str:
+    """The platform ("cpu", "gpu", "tpu") a step placed on `mesh` runs on (None: the default
+    device's)."""
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def step_options(mesh: Mesh | None) -> dict[str, str]:
     """Compiler options for a step placed on `mesh` (None: the default device)."""
     name = _cpu_scheduler.get()
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    if name is None or platform != "cpu":
+    if name is None or platform(mesh) != "cpu":
         return {}
     return {"xla_cpu_scheduler_type": CPU_SCHEDULERS[name]}

@@ -741,6 +741,5 @@ def exchange_waits_by_default(mesh: Mesh | None, backend: str = "shard_map") -> 
     space. On an accelerator the exchange stays free to run under the inner step. Waiting
     reads the first value of each island's leaves (`finished`): on islands of several devices,
     or under drjax, whose body sees every island, that read would cross devices on every step."""
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     local = mesh is None or (backend == "shard_map" and mesh_lib.island_size(mesh) == 1)
-    return platform == "cpu" and local
+    return compiler.platform(mesh) == "cpu" and local

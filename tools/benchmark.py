@@ -297,7 +297,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
         step = dl.make_train_step(direct, loss_fn, inner, mesh, backend=backend)
         compiled, live = profiling.live_peak(step.lower(dl.init_state(model, inner, direct, mesh), batch_np))
         memory[f"{first}/{_mode('streaming_v0', backend)}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
-    largest = max(dl.Fragmentation.from_model(model, direct).param_counts(eqx.filter(model, eqx.is_inexact_array)))
+    largest = max(_fragment_params(model, direct))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
     diloco_mem = memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"]
     low = _bfloat16_memory(make_model(size), inner, K, sync_period, size)
@@ -355,7 +355,6 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
 
     import diloco_eqx as dl
     from diloco_eqx.analysis.plain import make_plain_step
-    from experiments.stats import interval
     from models.transformer import count_params, loss_fn
 
     n, inner = count_params(model), optax.adamw(1e-3)
@@ -393,7 +392,7 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
 
     def ratio(a, b):  # the mean paired ratio with its 95% t-interval
-        ci = interval(list(np.divide(times[a], times[b])))
+        ci = _paired_interval(times[a], times[b])
         return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"]}
 
     island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
@@ -434,12 +433,9 @@ def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg
     of the same repetition: medians over that fragment's repetitions, its share of the
     parameters, and its extra over the vanilla sync's (a fragment that costs in proportion
     to its size has the two equal)."""
-    import equinox as eqx
     import numpy as np
 
-    import diloco_eqx as dl
-
-    counts = dl.Fragmentation.from_model(model, cfg).param_counts(eqx.filter(model, eqx.is_inexact_array))
+    counts = _fragment_params(model, cfg)
     base = np.asarray(times[("streaming", 5)])
     out = []
     for f in range(num_fragments):
@@ -459,7 +455,6 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
     orders alternate which runs first) for plain, a Streaming (V = 1) step without an event
     and its stash step. Ratios are memory-order time / concurrency-order time: the mean with
     its 95% t-interval over the repetitions."""
-    import equinox as eqx
     import numpy as np
     import optax
 
@@ -476,8 +471,7 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
                                          num_fragments=num_fragments),
             "streaming_deferred": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
                                                   num_fragments=num_fragments, overlap_steps=1)}
-    largest = max(dl.Fragmentation.from_model(model, cfgs["streaming"]).param_counts(
-        eqx.filter(model, eqx.is_inexact_array)))
+    largest = max(_fragment_params(model, cfgs["streaming"]))
     expected = {"vanilla": 8 * n, "streaming": 8 * n, "streaming_deferred": 8 * n + k * largest * 4}
     steps, memory = {}, {}
     for order in CPU_SCHEDULERS:
@@ -499,16 +493,39 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
     return {"params": n, "resident_bytes": memory, "modes": modes, "times": timing, "reps": reps}
 
 
+def _paired_interval(a, b) -> dict:
+    """Mean of the paired ratios a[i] / b[i] with its 95% Student-t interval."""
+    import numpy as np
+
+    from experiments.stats import interval
+
+    return interval(list(np.divide(a, b)))
+
+
+def _fragment_params(model, cfg) -> list[int]:
+    """Parameters in each of `cfg`'s fragments of `model`."""
+    import equinox as eqx
+
+    import diloco_eqx as dl
+
+    return dl.Fragmentation.from_model(model, cfg).param_counts(eqx.filter(model, eqx.is_inexact_array))
+
+
+def _require_cpu(flag: str, why: str) -> None:
+    import jax
+
+    if jax.default_backend() != "cpu":
+        raise SystemExit(f"{flag}: {why}; this machine's backend is {jax.default_backend()}")
+
+
 def _paired_ratios(times: dict, phases, over: str, under: str) -> dict:
     """Per phase: both variants' median seconds and the mean paired ratio `over` / `under`
     with its 95% t-interval."""
     import numpy as np
 
-    from experiments.stats import interval
-
     out = {}
     for name in phases:
-        ci = interval(list(np.divide(times[over, name], times[under, name])))
+        ci = _paired_interval(times[over, name], times[under, name])
         out[name] = {f"{over}_s": float(np.median(times[over, name])), f"{under}_s": float(np.median(times[under, name])),
                      "time_ratio": ci["mean"], "time_ratio_low": ci["lo"], "time_ratio_high": ci["hi"]}
     return out
@@ -548,7 +565,6 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
     full-batch times paired within each repetition (alternating which runs first) of a step
     with no event, a stash step and an exchange step (fragments taken in turn). Ratios are
     after_inner / free: the mean with its 95% t-interval over the repetitions."""
-    import equinox as eqx
     import numpy as np
     import optax
 
@@ -561,8 +577,7 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
     batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
     cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True, num_fragments=num_fragments,
                           overlap_steps=1)
-    largest = max(dl.Fragmentation.from_model(model, cfg).param_counts(eqx.filter(model, eqx.is_inexact_array)))
-    want = 8 * n + k * largest * 4
+    want = 8 * n + k * max(_fragment_params(model, cfg)) * 4
     state, plain = make_plain_step(model, loss_fn, inner, k)
     compiled, plain_live = profiling.live_peak(plain.lower(state, batch))
     plain_bytes = profiling.memory(compiled)["resident_bytes"]
@@ -584,11 +599,7 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
 
 
 def run_exchange_placement(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
-    import jax
-
-    if jax.default_backend() != "cpu":
-        raise SystemExit("--exchange-placement: compares the CPU default with the free placement; this "
-                         f"machine's backend is {jax.default_backend()}")
+    _require_cpu("--exchange-placement", "compares the CPU default with the free placement")
     out = {size.name: exchange_placement(_model(size), size, 2, sync_period, num_fragments, reps) for size in sizes}
     return {"exchange_placement": out, **_settings_and_machine(sync_period, num_fragments, reps)}
 
@@ -747,10 +758,7 @@ def format_host_memory(costs: dict) -> str:
 
 
 def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
-    import jax
-
-    if jax.default_backend() != "cpu":
-        raise SystemExit(f"--cpu-orders: compares XLA:CPU's orders; this machine's backend is {jax.default_backend()}")
+    _require_cpu("--cpu-orders", "compares XLA:CPU's orders")
     orders = {}
     for size in sizes:
         orders[size.name] = cpu_orders(_model(size), size, 2, sync_period, num_fragments, reps)
@@ -901,15 +909,13 @@ def _matmul_flops(jax, jnp, n=None, reps=10, dtype=None) -> float:
 def _row(np, size, mesh, mode, phase, ts, plain, paired=None):
     """One table row; with `paired` (plain's times in the same repetitions), also the mean
     ratio of each repetition's time to plain's with its 95% t-interval."""
-    from experiments.stats import interval
-
     median = float(np.median(ts))
     backend = "drjax" if mode.endswith("_drjax") else "shard_map"
     row = {"size": size, "mesh": mesh, "mode": mode, "backend": backend, "phase": phase, "median_s": median,
            "p10_s": float(np.percentile(ts, 10)), "p90_s": float(np.percentile(ts, 90)),
            "n": len(ts), "ratio_to_plain": median / plain}
     if paired is not None:
-        ci = interval(list(np.divide(ts, paired)))
+        ci = _paired_interval(ts, paired)
         row.update(paired_ratio=ci["mean"], paired_ratio_low=ci["lo"], paired_ratio_high=ci["hi"])
     return row
 
