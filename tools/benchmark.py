@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_cpu_orders(sizes, reps, args.sync_period, args.num_fragments)
         print(format_orders(result["cpu_orders"]))
     elif args.sync_cost_only:
-        result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments)
+        result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments, args.dtype)
         print("\n".join(_format_sync_cost(result["sync_cost"])))
     else:
         result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
@@ -256,7 +256,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
 
             # ---- memory and FLOPs of each compiled step (the executables compiled above)
             for mode, (state, step) in steps.items():
-                compiled, live = profiling.live_peak(step.lower(state, batch_np))
+                compiled, live = _compiled_and_live(step.lower(state, batch_np))
                 memory[f"{label}/{mode}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
                 if mode == "plain":
                     plain_flops = profiling.flops(compiled)
@@ -282,6 +282,8 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
                 "inner_flops_per_s": plain_flops * devices / plain_median,
                 "matmul_flops_per_s": matmul_flops,
                 "utilisation": plain_flops * devices / plain_median / matmul_flops,
+                "model_flops_per_step": _model_flops(size, n_params),
+                "model_flops_utilisation": _model_flops(size, n_params) / plain_median / matmul_flops,
                 "expected_extra_bytes": 2 * n_params * 4 // islands.island_size(mesh),
             }
 
@@ -295,12 +297,14 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
     direct = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period, streaming=True, num_fragments=num_fragments)
     for backend in backends:  # Streaming with V = 0 (no stash): memory only
         step = dl.make_train_step(direct, loss_fn, inner, mesh, backend=backend)
-        compiled, live = profiling.live_peak(step.lower(dl.init_state(model, inner, direct, mesh), batch_np))
+        compiled, live = _compiled_and_live(step.lower(dl.init_state(model, inner, direct, mesh), batch_np))
         memory[f"{first}/{_mode('streaming_v0', backend)}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
     largest = max(_fragment_params(model, direct))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
     diloco_mem = memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"]
-    low = _bfloat16_memory(make_model(size), inner, K, sync_period, size)
+    low = (_bfloat16_memory(make_model(size), inner, K, sync_period, size) if dtype != "bfloat16" or mesh is not None
+           else _bfloat16_row(memory[f"{first}/plain"]["resident_bytes"], memory[f"{first}/{_mode('diloco', backends[0])}"]["resident_bytes"],
+                              checks[first]["params"]))  # the run's own no-mesh steps are already bfloat16
     n = checks[first]["params"]
     per_island = checks[first]["devices_per_island"]
     islands_per_device = K // (checks[first]["devices"] // per_island)
@@ -617,9 +621,9 @@ def format_exchange_placement(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
-    costs = {size.name: sync_cost(_model(size), 2, sync_period, num_fragments, reps) for size in sizes}
-    return {"sync_cost": costs, **_settings_and_machine(sync_period, num_fragments, reps)}
+def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32") -> dict:
+    costs = {size.name: sync_cost(_model(size, dtype), 2, sync_period, num_fragments, reps) for size in sizes}
+    return {"sync_cost": costs, **_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
 
 
 HOST_MEMORY = ("keep", "default")
@@ -875,10 +879,35 @@ def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
     state = dl.init_state(model, inner, cfg)
     diloco = profiling.memory(
         dl.make_train_step(cfg, loss_fn, inner).lower(state, batch).compile())["resident_bytes"]
-    n = count_params(model)
+    return _bfloat16_row(plain, diloco, count_params(model))
+
+
+def _bfloat16_row(plain: int, diloco: int, n: int) -> dict:
     return {"param_dtype": "bfloat16", "outer_dtype": "float32", "params": n,
             "plain_bytes": plain, "diloco_bytes": diloco, "extra_bytes": diloco - plain,
             "expected_extra_bytes": 2 * n * 4, "param_bytes_bfloat16": 2 * n}
+
+
+def _model_flops(size: Size, n_params: int) -> float:
+    """Model FLOPs of one training step by the usual count: 6 per parameter per token
+    (forward and backward matmuls) plus 12·layers·width·seq_len per token for attention's
+    scores and weighted sums, counted over the full square as is customary. Unlike XLA's
+    count it is the same for every compiler and needs no cost analysis of the scanned layers."""
+    tokens = size.global_batch * size.seq_len
+    return float(tokens * (6 * n_params + 12 * size.layers * size.width * size.seq_len))
+
+
+def _compiled_and_live(lowered):
+    """The executable and its live-range peak (`profiling.live_peak`) on CPU; elsewhere the
+    executable alone, taken from JAX's cache of the step already run: the peak needs a second
+    compile with a dump, which on an accelerator costs more device time than it tells."""
+    import jax
+
+    from diloco_eqx.analysis import profiling
+
+    if jax.default_backend() == "cpu":
+        return profiling.live_peak(lowered)
+    return lowered.compile(), None
 
 
 def _mode(mode: str, backend: str) -> str:
@@ -944,7 +973,9 @@ def format_table(result: dict) -> str:
                          f"{s['expected_extra_bytes']:,} B (ratio {extra / s['expected_extra_bytes']:.3f})")
         lines.append(f"{key}: {s['params']:,} params, inner step {s['inner_flops_per_s'] / 1e9:.2f} "
                      f"GFLOP/s vs matmul {s['matmul_flops_per_s'] / 1e9:.2f} GFLOP/s: "
-                     f"utilisation {s['utilisation']:.2f}")
+                     f"utilisation {s['utilisation']:.2f}" + ("" if "model_flops_per_step" not in s else
+                     f"; model FLOPs {s['model_flops_per_step'] / 1e9:.1f} G per step = "
+                     f"{s['model_flops_utilisation']:.3f} of the matmul's rate (MFU)"))
     lines += _format_sync_cost(result.get("sync_cost", {}))
     for key, m in result["memory"]["modes"].items():
         live = m.get("live_extra_bytes")
