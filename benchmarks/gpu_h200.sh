@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_h200.sh [OUT_DIR]
 #
-# What it measures, side by side in one process: a ~100M-parameter transformer (14 layers x
+# What it measures, side by side in one process: a ~100M-parameter transformer (16 layers x
 # 768 wide, 1024-token sequences, 16 per step) in bfloat16, K = 2 islands vmapped on the one
 # device; the plain floor, DDP, DiLoCo (H = 100) and Streaming DiLoCo (P = 5, V = 1) step by
 # step and amortized over H_eff; compile count, memory per mode, and model FLOP utilisation

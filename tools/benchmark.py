@@ -53,7 +53,7 @@ SIZES = (
     Size("1M", layers=4, width=128, heads=4, seq_len=128, global_batch=16),
     Size("10M", layers=8, width=320, heads=8, seq_len=64, global_batch=8),
     Size("30M", layers=12, width=448, heads=8, seq_len=64, global_batch=4),
-    Size("100M", layers=14, width=768, heads=12, seq_len=1024, global_batch=16),  # for an accelerator
+    Size("100M", layers=16, width=768, heads=12, seq_len=1024, global_batch=16),  # for an accelerator
 )
 DTYPES = ("float32", "bfloat16")
 
