@@ -167,29 +167,41 @@ def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Ca
     """`branches[f](carry, *invariants)` when `predicate` holds, else `carry`: the one shape
     of every schedule event, so the step compiles once.
 
-    Each branch is its own loop of zero or one trip (`predicate` and f = j), with no
-    conditional inside: XLA updates a loop's carry in place, where a conditional copies an
-    operand that a branch writes into (or passes through) on every step. The invariants
-    reach the body through a select on the trip counter, so XLA cannot hoist work that
+    Each branch is its own loop of zero or one trip (f = j), with no conditional inside: XLA
+    updates a loop's carry in place, where a conditional copies an operand that a branch
+    writes into (or passes through) on every step. With several branches, their loops sit
+    inside one guard loop on `predicate`, so a step without the event tests one predicate,
+    not one per fragment (XLA:GPU reads each loop's predicate on the host). The invariants
+    reach each body through a select on its trip counter, so XLA cannot hoist work that
     reads only them out of the loop to run on every step. `pin` fixes the carry's layout
     on an island mesh. `count` returns (trips run, carry); given as `after` to another
     event, that event's loops wait for this one (their trip counts read it), so this one
     may read what the other updates in place without XLA copying it."""
-    ran, predicate = jnp.zeros((), jnp.int32), jnp.asarray(predicate)
-    carry = pin(carry)
+    trips = jnp.asarray(predicate).astype(jnp.int32)
+    if after is not None:  # still `trips`, as after >= 0
+        trips = jnp.maximum(trips, jnp.minimum(after, 0))
     with jax.named_scope(EVENT_SCOPE):
-        for j, branch in enumerate(branches):
-            trips = (predicate & (f == j)).astype(jnp.int32)
-            if after is not None:  # still `trips`, as after >= 0
-                trips = jnp.maximum(trips, jnp.minimum(after, 0))
+        if len(branches) == 1:
+            ran, carry = _once(trips, branches[0], pin(carry), invariants, pin)
+        else:
+            def each(state, *_):
+                ran, c = state
+                for j, branch in enumerate(branches):
+                    trip, c = _once((f == j).astype(jnp.int32), branch, c, invariants, pin)
+                    ran = ran + trip
+                return ran, c
 
-            def body(state, branch=branch):
-                trip, c = state
-                return trip + 1, pin(branch(c, *_loop_variant(trip, invariants)))
-
-            trip, carry = lax.while_loop(lambda state, n=trips: state[0] < n, body, (jnp.zeros((), jnp.int32), carry))
-            ran = ran + trip
+            _, (ran, carry) = _once(trips, each, (jnp.zeros((), jnp.int32), pin(carry)), (), lambda out: out)
     return (ran, carry) if count else carry
+
+
+def _once(trips: Int[Array, ""], branch: Callable, carry, invariants: tuple, pin: Callable):
+    """`branch(carry, *invariants)` as a loop of `trips` (0 or 1) trips: (trips run, carry)."""
+    def body(state):
+        trip, c = state
+        return trip + 1, pin(branch(c, *_loop_variant(trip, invariants)))
+
+    return lax.while_loop(lambda state: state[0] < trips, body, (jnp.zeros((), jnp.int32), carry))
 
 
 def _loop_variant(trip: Int[Array, ""], tree: PyTree) -> PyTree:

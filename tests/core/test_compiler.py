@@ -55,7 +55,7 @@ def test_the_memory_order_gives_the_reference_numbers():
 def test_the_order_reaches_the_compiler():
     """The same Streaming step compiled under the two orders places its buffers differently."""
     model = make_toy(4, 16)
-    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3, overlap_steps=1)
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3)
     inner, batch = optax.adamw(1e-3), np.zeros((4, 16), np.float32)
     temps = {}
     for order in ("memory", "concurrency"):

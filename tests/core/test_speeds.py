@@ -70,8 +70,9 @@ def test_an_island_of_speed_zero_is_left_out():
         for x in data:
             state, m = step(state, x[rows])
         got[name] = (toy_to_numpy(state.outer), m)
-    for n in got["one"][0]:  # two programs: XLA may round one product differently (1 ulp)
-        np.testing.assert_allclose(got["two"][0][n], got["one"][0][n], rtol=2e-7, atol=0)
+    for n in got["one"][0]:  # two programs: XLA may fuse and round them differently (a few ulps;
+        # an idle island in the mean would move the outer model by its whole pseudo-gradient)
+        np.testing.assert_allclose(got["two"][0][n], got["one"][0][n], rtol=1e-6, atol=0)
     assert got["two"][1]["islands_contributed"] == 1
 
 
