@@ -81,6 +81,35 @@ def check_quick_json(result: dict) -> None:
             assert r["paired_ratio_low"] <= r["paired_ratio"] <= r["paired_ratio_high"], r
 
 
+def test_committed_gpu_h200_json():
+    """benchmarks/gpu_h200*.json as committed (one H200; 100M = 16 layers x 768, 16 x 1024
+    tokens a step, bfloat16): one compile per mode, every mode's extra memory within 5% of
+    its formula, the model FLOPs counted by hand and the utilisation recomputed from the
+    plain step's median, the vanilla sync within 2x its floor, and the guard loop (e3d619f)
+    taking Streaming's non-sync extra below the interval it had before."""
+    result = json.loads((ROOT / "benchmarks" / "gpu_h200.json").read_text())
+    assert result["settings"]["dtype"] == "bfloat16" and "linux" in result["machine"]["platform"].lower()
+    assert result["compilations"] == 1 and all(c["count"] == 1 for c in result["compile"].values())
+    mem = result["memory"]
+    for name, m in mem["modes"].items():
+        assert abs(m["extra_bytes"] / m["expected_extra_bytes"] - 1) < 0.05, (name, m)
+    size = result["sizes"]["100M/none"]
+    n, tokens = size["params"], 16 * 1024
+    assert size["model_flops_per_step"] == tokens * (6 * n + 12 * 16 * 768 * 1024)
+    plain = next(r["median_s"] for r in result["rows"] if (r["mode"], r["phase"]) == ("plain", "step"))
+    assert size["model_flops_utilisation"] == pytest.approx(size["model_flops_per_step"] / plain
+                                                             / size["matmul_flops_per_s"])
+    assert 0.1 < size["model_flops_utilisation"] < 1
+    costs = {name: json.loads((ROOT / "benchmarks" / f"{name}.json").read_text())["sync_cost"]["100M"]
+             for name in ("gpu_h200_sync", "gpu_h200_sync_guard")}
+    for c in costs.values():  # bfloat16 islands: K·2 bytes a parameter, outer and trace 2·4
+        assert c["floor_bytes"] == 2 * (2 * 2 + 2 * 4) * n
+        assert c["vanilla_extra_over_floor"] == pytest.approx(c["vanilla_sync_extra_s"] / c["floor_s"])
+        assert c["vanilla_extra_over_floor"] < 2
+    before, after = (costs[k]["streaming_nonsync_ratio"] for k in ("gpu_h200_sync", "gpu_h200_sync_guard"))
+    assert after["high"] < before["low"], (before, after)
+
+
 def check_orders_json(result: dict) -> None:
     """What a `--cpu-orders` JSON must hold: each order's extras are its own resident bytes
     over its own plain step's, against the same formula as the quick JSON's modes."""
