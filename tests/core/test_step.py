@@ -268,3 +268,27 @@ def test_stale_outer_reads_are_refused():
     direct = dl.DiLoCoConfig(num_replicas=2, sync_period=4)
     vanilla = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, direct)
     assert vanilla.outer_model is vanilla.outer  # nothing can be in flight
+
+
+def _top_level_loops(step, state, batch) -> int:
+    """While loops in the compiled step's entry computation: the loops a step runs (or tests
+    the predicate of) whatever its schedule position."""
+    text = step.lower(state, batch).compile().as_text()
+    start = text.index("ENTRY")
+    entry = text[start:text.index("\n}\n", start)]
+    return sum(" while(" in line for line in entry.splitlines())
+
+
+@pytest.mark.parametrize("v", [0, 1])
+def test_an_event_tests_one_predicate_whatever_p(v):
+    """Each event of a Streaming step (sync or exchange, its recheck, stash, apply) is one
+    guard loop around its fragments' loops, so a step without events tests as many
+    predicates with P = 5 as with P = 2 (XLA:GPU reads each on the host): 4 at V = 0 and 5
+    at V = 1, where one loop per fragment (0e13d2e) gave 6 → 11 and 7 → 11."""
+    model, inner = make_toy(4, 8), optax.adamw(1e-3)
+    loops = {}
+    for p in (2, 5):
+        cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=10, streaming=True, num_fragments=p, overlap_steps=v)
+        step = dl.make_train_step(cfg, toy_loss, inner)
+        loops[p] = _top_level_loops(step, dl.init_state(model, inner, cfg), np.zeros((4, 8), np.float32))
+    assert loops[2] == loops[5] > 0, loops
