@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--exchange-placement", action="store_true",
                         help="instead of the step table: memory and paired step times of Streaming's deferred "
                              "exchange waiting for the inner step (XLA:CPU's default) and free (no mesh, CPU only)")
+    parser.add_argument("--nonsync", action="store_true",
+                        help="instead of the step table: full-batch steps without an event (DiLoCo, Streaming "
+                             "V = 1) against plain training's, paired in each repetition (no mesh)")
     parser.add_argument("--host-memory", action="store_true",
                         help="instead of the step table: full-batch steps with freed host memory kept for reuse "
                              "(diloco_eqx.host_memory, as runs do) and returned as glibc does, side by side in "
@@ -117,6 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.host_memory:
         result = run_host_memory(sizes, reps, args.sync_period)
         print(format_host_memory(result["host_memory"]))
+    elif args.nonsync:
+        result = run_nonsync(sizes, reps, args.sync_period, args.num_fragments, args.dtype)
+        print(format_nonsync(result["nonsync"]))
     elif args.exchange_placement:
         result = run_exchange_placement(sizes, reps, args.sync_period, args.num_fragments)
         print(format_exchange_placement(result["exchange_placement"]))
@@ -600,6 +606,69 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
     times = _paired_order_times(steps, placed, phases, reps, pair=("free", "after_inner"))
     timing = _paired_ratios(times, phases, "after_inner", "free")
     return {"params": n, "plain_resident_bytes": plain_bytes, "memory": memory, "times": timing, "reps": reps}
+
+
+NONSYNC_MODES = ("plain", "diloco", "streaming")
+
+
+def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
+    """Full-batch steps without a schedule event (DiLoCo and Streaming with V = 1, each run at
+    t = 5) against the plain step: every repetition runs the three back to back, the first
+    of them rotating, and each mode's result is the mean of its per-repetition ratios to
+    plain's with the 95% t-interval (the first repetition compiles and is dropped)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx.analysis.plain import make_plain_step
+    from models.transformer import count_params, loss_fn
+
+    inner = optax.adamw(1e-3)
+    batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
+    cfgs = {"diloco": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period),
+            "streaming": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
+                                         num_fragments=num_fragments, overlap_steps=1)}
+    steps = {"plain": list(make_plain_step(model, loss_fn, inner, k))}
+    steps.update({m: [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
+                  for m, cfg in cfgs.items()})
+    placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
+    times = {m: [] for m in NONSYNC_MODES}
+    for rep in range(reps + 1):
+        turn = rep % len(NONSYNC_MODES)
+        for m in NONSYNC_MODES[turn:] + NONSYNC_MODES[:turn]:
+            state, step = steps[m]
+            if m != "plain":  # the step ends at t = 5: no sync, stash, exchange or apply
+                state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(4, jnp.int32)))
+            t0 = time.perf_counter()
+            state, _ = step.step_placed(state, placed[m])
+            jax.block_until_ready(state)
+            if rep:
+                times[m].append(time.perf_counter() - t0)
+            steps[m][0] = state
+    plain = times["plain"]
+    modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain)} for m in cfgs}
+    return {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps}
+
+
+def _ratio_interval(a, b) -> dict:
+    ci = _paired_interval(a, b)
+    return {"ratio": ci["mean"], "ratio_low": ci["lo"], "ratio_high": ci["hi"]}
+
+
+def run_nonsync(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32") -> dict:
+    out = {size.name: nonsync(_model(size, dtype), size, 2, sync_period, num_fragments, reps) for size in sizes}
+    return {"nonsync": out, **_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
+
+
+def format_nonsync(result: dict) -> str:
+    return "\n".join(
+        f"{size} non-sync step / plain (full batch, mean [95%], {c['reps']} paired reps; plain "
+        f"{1e3 * c['plain_s']:.2f} ms): " + ", ".join(
+            f"{m} {r['ratio']:.4f} [{r['ratio_low']:.4f}, {r['ratio_high']:.4f}]" for m, r in c["modes"].items())
+        for size, c in result.items())
 
 
 def run_exchange_placement(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
