@@ -635,7 +635,7 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
     steps.update({m: [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
                   for m, cfg in cfgs.items()})
     placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
-    times = {m: [] for m in NONSYNC_MODES}
+    times, start = {m: [] for m in NONSYNC_MODES}, time.perf_counter()
     for rep in range(reps + 1):
         turn = rep % len(NONSYNC_MODES)
         for m in NONSYNC_MODES[turn:] + NONSYNC_MODES[:turn]:
@@ -648,6 +648,9 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
             if rep:
                 times[m].append(time.perf_counter() - t0)
             steps[m][0] = state
+        if rep in (0, reps // 2):  # progress: a GPU process spends minutes before the first timed step
+            print(f"{size.name} --nonsync: repetition {rep} of {reps} done at {time.perf_counter() - start:.0f} s",
+                  file=sys.stderr, flush=True)
     plain = times["plain"]
     modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain)} for m in cfgs}
     return {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps}

@@ -110,6 +110,28 @@ def test_committed_gpu_h200_json():
     assert after["high"] < before["low"], (before, after)
 
 
+def check_nonsync_json(result: dict) -> None:
+    """What a `--nonsync` JSON must hold: per size, DiLoCo's and Streaming's full-batch steps
+    without an event over plain's, as paired ratios with their intervals."""
+    for size, c in result["nonsync"].items():
+        assert set(c["modes"]) == {"diloco", "streaming"} and c["plain_s"] > 0
+        for mode, r in c["modes"].items():
+            assert 0 < r["ratio_low"] <= r["ratio"] <= r["ratio_high"], (size, mode, r)
+            assert r["median_s"] > 0
+
+
+def test_committed_cpu_nonsync_json():
+    """benchmarks/cpu_nonsync.json as committed: 10M and 30M, 240 paired repetitions each."""
+    result = json.loads((ROOT / "benchmarks" / "cpu_nonsync.json").read_text())
+    check_nonsync_json(result)
+    assert set(result["nonsync"]) == {"10M", "30M"} and result["settings"]["reps"] == 240
+
+
+@pytest.mark.slow
+def test_nonsync_json(tmp_path):
+    check_nonsync_json(benchmark_json(tmp_path, "--nonsync", "--sizes", "1M", "--reps", "3"))
+
+
 def check_orders_json(result: dict) -> None:
     """What a `--cpu-orders` JSON must hold: each order's extras are its own resident bytes
     over its own plain step's, against the same formula as the quick JSON's modes."""
