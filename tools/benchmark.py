@@ -408,6 +408,8 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
     floor_bytes = (k * island_bytes + 2 * 4) * n  # K islands, outer model and trace (float32)
     floor = _stream_floor(floor_bytes // 4)
+    stream_bytes = _deferred_sync_bytes(n, k, island_bytes, num_fragments)
+    stream_floor = _stream_floor(stream_bytes // 8)
     by_hand = _handwritten_sync(model, k, vanilla)
     vanilla_extra = diff(("diloco", sync_period), ("diloco", 5))
     stash_extra = diff(("streaming", "sync"), ("streaming", 5))
@@ -417,6 +419,9 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per_fragment) / num_fragments
     return {"streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
+            "streaming_floor_bytes": stream_bytes, "streaming_floor_s": stream_floor,
+            "streaming_cycle_over_floor": cycle / stream_floor,
+            "streaming_floor_over_vanilla_floor": stream_bytes / (2 * floor_bytes),
             "params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
             "stash_extra_s": stash_extra, "exchange_apply_extra_s": exchange_extra,
             "plain_s": float(np.median(times[("plain", None)])),
@@ -429,6 +434,18 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
             "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)),
             **{f"{mode}_nonsync_ratio": ratio((mode, 5), ("plain", None)) for mode in ("diloco", "streaming")},
             "reps": reps}
+
+
+def _deferred_sync_bytes(n: int, k: int, island_bytes: int, num_fragments: int) -> int:
+    """Bytes one deferred Streaming sync (V >= 1) must read and write, on average over the P
+    fragments (together they hold the n parameters): the stash step reads each island's
+    fragment and the outer one and writes the K pseudo-gradients (float32); the exchange
+    reads them, the outer fragment and its trace and writes those two; the apply reads each
+    island's fragment and the outer one and writes the islands. Per parameter that is
+    3·K·b_island + 2·K·4 + 6·4 bytes, where a vanilla sync at its floor moves 2·K·b_island
+    + 4·4: the stash and the second read of the islands make a cycle of P Streaming syncs
+    touch more than one vanilla sync does."""
+    return (3 * k * island_bytes + 2 * k * 4 + 6 * 4) * n // num_fragments
 
 
 def _live_extra(memory: dict, config: str, mode: str) -> int | None:
@@ -1081,7 +1098,11 @@ def _format_sync_cost(costs: dict) -> list[str]:
             f"{p['fragment']}: {1e3 * p['stash_extra_s']:.1f} + {1e3 * p['exchange_apply_extra_s']:.1f} ms = "
             f"{p['over_vanilla']:.2f} ({p['param_fraction']:.2f})" for p in c["streaming_per_fragment"])
             + f"; mean over a cycle {1e3 * c['streaming_cycle_extra_s']:.1f} ms = "
-              f"{c['streaming_cycle_over_vanilla']:.2f} of vanilla's (1/P = {c['one_over_p']:.2f})")
+              f"{c['streaming_cycle_over_vanilla']:.2f} of vanilla's (1/P = {c['one_over_p']:.2f})"
+            + ("" if "streaming_floor_s" not in c else
+               f"; its own floor {1e3 * c['streaming_floor_s']:.1f} ms for {c['streaming_floor_bytes'] / 1e6:.0f} MB "
+               f"({c['streaming_floor_over_vanilla_floor']:.2f} of vanilla's bytes): cycle = "
+               f"{c['streaming_cycle_over_floor']:.2f}x its floor"))
     return lines
 
 

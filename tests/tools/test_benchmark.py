@@ -66,6 +66,12 @@ def check_quick_json(result: dict) -> None:
     cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per) / len(per)
     assert cost["streaming_cycle_extra_s"] == pytest.approx(cycle)
     assert cost["streaming_cycle_over_vanilla"] == pytest.approx(cycle / cost["vanilla_sync_extra_s"])
+    # a deferred sync's own floor: 3·K·4 + 2·K·4 + 6·4 bytes a parameter over P syncs, against
+    # vanilla's 2·K·4 + 4·4: 64 / (5·32) = 0.4 for K = 2, P = 5 in float32
+    p = result["settings"]["num_fragments"]
+    assert cost["streaming_floor_bytes"] == (3 * 2 * 4 + 2 * 2 * 4 + 6 * 4) * cost["params"] // p
+    assert cost["streaming_floor_over_vanilla_floor"] == pytest.approx(64 / (p * 32), rel=1e-6)
+    assert cost["streaming_cycle_over_floor"] == pytest.approx(cycle / cost["streaming_floor_s"])
     for p in per:
         assert p["over_vanilla"] == pytest.approx((p["stash_extra_s"] + p["exchange_apply_extra_s"])
                                                   / cost["vanilla_sync_extra_s"])
