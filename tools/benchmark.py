@@ -275,6 +275,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
                 rows.append(_row(np, size.name, mesh_name, mode, "amortized", amort[mode], amort_plain))
             devices = 1 if mesh is None else mesh.size
             fsdp = islands.axis_size(mesh, islands.FSDP)
+            model_flops = _model_flops(size, n_params)
             plain_bytes = memory[f"{label}/plain"]["resident_bytes"]
             checks[label] = {
                 "devices": devices,
@@ -288,8 +289,8 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
                 "inner_flops_per_s": plain_flops * devices / plain_median,
                 "matmul_flops_per_s": matmul_flops,
                 "utilisation": plain_flops * devices / plain_median / matmul_flops,
-                "model_flops_per_step": _model_flops(size, n_params),
-                "model_flops_utilisation": _model_flops(size, n_params) / plain_median / matmul_flops,
+                "model_flops_per_step": model_flops,
+                "model_flops_utilisation": model_flops / plain_median / matmul_flops,
                 "expected_extra_bytes": 2 * n_params * 4 // islands.island_size(mesh),
             }
 
@@ -308,10 +309,11 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
     largest = max(_fragment_params(model, direct))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
     diloco_mem = memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"]
-    low = (_bfloat16_memory(make_model(size), inner, K, sync_period, size) if dtype != "bfloat16" or mesh is not None
-           else _bfloat16_row(memory[f"{first}/plain"]["resident_bytes"], memory[f"{first}/{_mode('diloco', backends[0])}"]["resident_bytes"],
-                              checks[first]["params"]))  # the run's own no-mesh steps are already bfloat16
     n = checks[first]["params"]
+    if dtype == "bfloat16" and mesh is None:  # the run's own no-mesh steps are already bfloat16
+        low = _bfloat16_row(plain_mem, memory[f"{first}/{_mode('diloco', backends[0])}"]["resident_bytes"], n)
+    else:
+        low = _bfloat16_memory(make_model(size), inner, K, sync_period, size)
     per_island = checks[first]["devices_per_island"]
     islands_per_device = K // (checks[first]["devices"] // per_island)
     outer = 2 * n * 4 // per_island  # outer model and trace, split over the island's devices
