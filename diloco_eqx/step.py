@@ -351,18 +351,23 @@ def pin_exchange(plan: Plan, out):
 
 def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bool = False, after=None):
     """The sync event at step `t` (of fragment f(t), if t is a sync step), taken unchecked
-    (lossless codecs), then, if it was not trusted, again checked (see `exchange_fragment`);
+    (lossless codecs) and, if it was not trusted, again checked within the same event (see
+    `exchange_fragment`), so a step without a sync tests one predicate for it;
     `exchange(f, t, source, outer, outer_opt, residual, checked=)` is one fragment's. With
-    `count`, the trips of both; `after` as in `when`."""
+    `count`, the event's trips; `after` as in `when`."""
     p, pin, predicate = plan.schedule.num_fragments, partial(pin_exchange, plan), plan.schedule.is_sync(t)
     lossless = plan.cfg.codec.lossless
-    branches = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=not lossless) for f in range(p)]
-    ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True, after=after)
-    if lossless:
-        again = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=True) for f in range(p)]
+
+    def branch(c, src, t, f):
+        out = exchange(f, t, src, *c[:3], checked=not lossless)
+        if not lossless:
+            return out
         with jax.named_scope(RECHECK_SCOPE):
-            ran_again, out = when(predicate & ~out[5], f, again, out, source, t, pin=pin, count=True)
-        ran = ran + ran_again
+            again = lambda c, src, t: exchange(f, t, src, *c[:3], checked=True)  # noqa: E731
+            return when(~out[5], 0, [again], pin(out), src, t, pin=pin)
+
+    branches = [partial(branch, f=j) for j in range(p)]
+    ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True, after=after)
     return (ran, out) if count else out
 
 
@@ -513,17 +518,19 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None, per_island: 
     islands this step's sync found finite. Returns (islands, their optimizer states, which
     were reset)."""
     s, p = plan.schedule, plan.schedule.num_fragments
-    branches = [lambda c, o, *ok, f=f: apply_fragment(plan, f, c[0], c[1], o, per_island, *ok) for f in range(p)]
+    reset = lambda c, b, o: reset_islands(plan, b, *c, o, per_island)  # noqa: E731
+
+    def branch(c, o, *ok, f):
+        inner, inner_opt, bad = apply_fragment(plan, f, c[0], c[1], o, per_island, *ok)
+        if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
+            inner, inner_opt = when(jnp.any(bad), 0, [reset], (inner, inner_opt), bad, o, pin=plan.pin_islands)
+        return inner, inner_opt, bad
+
     none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
     outer = outer if per_island else params(outer)
-    inner, inner_opt, bad = when(s.is_apply(t), s.fragment_at(t - s.overlap_steps), branches,
-                                 (inner, inner_opt, none), outer, *(() if finite is None else (finite,)),
-                                 pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after)
-    if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
-        reset = lambda c, b, o: reset_islands(plan, b, *c, o, per_island)  # noqa: E731
-        inner, inner_opt = when(jnp.any(bad), 0, [reset], (inner, inner_opt), bad, outer,
-                                pin=plan.pin_islands)
-    return inner, inner_opt, bad
+    return when(s.is_apply(t), s.fragment_at(t - s.overlap_steps), [partial(branch, f=f) for f in range(p)],
+                (inner, inner_opt, none), outer, *(() if finite is None else (finite,)),
+                pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after)
 
 
 # ---------------------------------------------------------------- whole steps
