@@ -1,6 +1,7 @@
-"""The XLA options the compiled training steps are built with.
+"""How the training steps are compiled: the jit they are built with, and its XLA options.
 
-By default none: XLA picks. On CPU, `cpu_scheduler("memory")` builds the steps made inside
+`StepFunction` jits a step over its arguments' array leaves and returns as soon as the
+step is queued (see its docstring). Options: by default none: XLA picks. On CPU, `cpu_scheduler("memory")` builds the steps made inside
 it with XLA:CPU's memory-optimized instruction order instead of its default, concurrency-
 optimized one. The order never changes a step's numbers, and it lowers every step's
 absolute memory, but it was slower where paired step times told them apart (`tools/benchmark.py --cpu-orders`
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 CPU_SCHEDULERS = {"memory": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
@@ -51,3 +54,66 @@ def step_options(mesh: Mesh | None) -> dict[str, str]:
     if name is None or platform(mesh) != "cpu":
         return {}
     return {"xla_cpu_scheduler_type": CPU_SCHEDULERS[name]}
+
+
+class StepFunction:
+    """`fn(first, *rest)` compiled with `jax.jit` once per structure of its arguments: array
+    leaves are traced, other leaves are static, and with `donate` the arrays of `rest` (the
+    state) are donated. A call returns as soon as the step is queued, so the host can fetch
+    the next batch and queue the next step while this one runs. (Equinox's `filter_jit`
+    waits for every call to finish, to raise its runtime errors at the call: the host then
+    sits idle during each step and its own work lands between steps.)"""
+
+    def __init__(self, fn, *, donate: bool = False, mesh: Mesh | None = None):
+        self._fn, self._donate, self._options = fn, donate, step_options(mesh)
+        self._built: dict = {}
+
+    def _find(self, args: tuple):
+        first, first_def = jax.tree.flatten(args[0])
+        rest, rest_def = jax.tree.flatten(args[1:])
+        key = (first_def, _statics(first), rest_def, _statics(rest))
+        if key not in self._built:
+            self._built[key] = self._build(*key)
+        return self._built[key], [x for x in first if _is_array(x)], [x for x in rest if _is_array(x)]
+
+    def _build(self, first_def, first_statics, rest_def, rest_statics):
+        """`fn` jitted on flat lists of array leaves, and (filled in when it is traced) the
+        structure of its output."""
+        out_structure: list = []
+
+        def flat(first: list, rest: list):
+            args = (jax.tree.unflatten(first_def, _fill(first_statics, first)),
+                    *jax.tree.unflatten(rest_def, _fill(rest_statics, rest)))
+            leaves, treedef = jax.tree.flatten(self._fn(*args))
+            out_structure[:] = [treedef, _statics(leaves)]
+            return [x for x in leaves if _is_array(x)]
+
+        jitted = jax.jit(flat, donate_argnums=(1,) if self._donate else (),
+                         compiler_options=self._options or None)
+        return jitted, out_structure
+
+    def __call__(self, *args):
+        (jitted, out_structure), first, rest = self._find(args)
+        with warnings.catch_warnings():  # jax says which donated buffers it could not reuse
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            out = jitted(first, rest)
+        treedef, statics = out_structure
+        return jax.tree.unflatten(treedef, _fill(statics, out))
+
+    def lower(self, *args) -> jax.stages.Lowered:
+        (jitted, _), first, rest = self._find(args)
+        return jitted.lower(first, rest)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _statics(leaves: list) -> tuple:
+    """The leaves that are not arrays, by position (None marks an array's place)."""
+    return tuple(None if _is_array(x) else x for x in leaves)
+
+
+def _fill(statics: tuple, arrays: list) -> list:
+    it = iter(arrays)
+    return [next(it) if s is None else s for s in statics]

@@ -97,8 +97,7 @@ class DDPStep:
 
     def __init__(self, plan: DDPPlan):
         self.plan = plan
-        self._step = eqx.filter_jit(partial(run_ddp_step, plan), donate="all-except-first",
-                                    compiler_options=compiler.step_options(plan.mesh))
+        self._step = compiler.StepFunction(partial(run_ddp_step, plan), donate=True, mesh=plan.mesh)
 
     def place_batch(self, batch: PyTree) -> PyTree:
         return mesh_lib.place_island_batches(batch, self.plan.num_replicas, self.plan.mesh)
@@ -112,7 +111,7 @@ class DDPStep:
 
     def lower(self, state: DDPState, batch: PyTree) -> jax.stages.Lowered:
         """The step lowered for these arguments: `.compile().as_text()` is its HLO."""
-        return self._step.lower(self.place_batch(batch), state).lowered
+        return self._step.lower(self.place_batch(batch), state)
 
 
 def make_ddp_step(

@@ -653,11 +653,9 @@ class TrainStep:
 
     def __init__(self, plan: Plan):
         self.plan = plan
-        # filter_jit donates every argument but the first: the caller's batch is kept
-        options = compiler.step_options(plan.mesh)
-        self._step = eqx.filter_jit(partial(run_step, plan), donate="all-except-first",
-                                    compiler_options=options)
-        self._settle = eqx.filter_jit(partial(run_settle, plan), compiler_options=options)
+        # the state is donated, the caller's batch kept
+        self._step = compiler.StepFunction(partial(run_step, plan), donate=True, mesh=plan.mesh)
+        self._settle = compiler.StepFunction(partial(run_settle, plan), mesh=plan.mesh)
 
     @property
     def schedule(self):
@@ -692,7 +690,7 @@ class TrainStep:
 
     def lower(self, state: DiLoCoState, batch: PyTree) -> jax.stages.Lowered:
         with self.plan.islands.context():
-            return self._step.lower(self.place_batch(batch), state).lowered
+            return self._step.lower(self.place_batch(batch), state)
 
     def jaxpr(self, state: DiLoCoState, batch: PyTree) -> jax.extend.core.ClosedJaxpr:
         with self.plan.islands.context():

@@ -30,8 +30,7 @@ class PlainStep:
 
     def __init__(self, plan: Plan, static: eqx.Module, layout: PyTree):
         self.plan, self.static, self.layout = plan, static, layout
-        self._step = eqx.filter_jit(self._run, donate="all-except-first",
-                                    compiler_options=compiler.step_options(plan.mesh))
+        self._step = compiler.StepFunction(self._run, donate=True, mesh=plan.mesh)
 
     def _run(self, batches, state):
         islands = mesh_lib.ISLANDS
@@ -53,7 +52,7 @@ class PlainStep:
         return self._step(batches, state)
 
     def lower(self, state, batch) -> jax.stages.Lowered:
-        return self._step.lower(self.place_batch(batch), state).lowered
+        return self._step.lower(self.place_batch(batch), state)
 
 
 def make_plain_step(

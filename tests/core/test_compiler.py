@@ -1,13 +1,17 @@
 """The steps' compiler options: XLA:CPU's instruction order, chosen by `cpu_scheduler`, reaches
-the compiler and changes where buffers live, never a number."""
+the compiler and changes where buffers live, never a number. And the jit the steps are built
+with: a call returns once its step is queued, statics pass through, the state is donated."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import diloco_eqx as dl
 from diloco_eqx.analysis import profiling
-from diloco_eqx.compiler import step_options
+from diloco_eqx.compiler import StepFunction, step_options
+from diloco_eqx.analysis.profiling import count_compilations
 from tests.helpers import batches, reference_run, run_jax
 from tests.reference import NpAdamW, make_toy, toy_loss, toy_to_numpy
 
@@ -63,3 +67,47 @@ def test_the_order_reaches_the_compiler():
             step = dl.make_train_step(cfg, toy_loss, inner)
         temps[order] = profiling.memory(step.lower(dl.init_state(model, inner, cfg), batch).compile())["temp_bytes"]
     assert temps["memory"] != temps["concurrency"], temps
+
+
+def test_a_step_call_returns_before_its_step_has_run():
+    """A step of some tens of milliseconds (2000 matrix products) has not finished when the
+    call returns, so the host can queue the next one: a jit that waits for each call (as
+    Equinox's filter_jit does, to raise its runtime errors there) returns a ready result.
+    From 0.5·I, each product keeps the matrix diagonal: d <- tanh(d²) on every entry."""
+    def fn(n, state):
+        x = jax.lax.fori_loop(0, n, lambda i, v: jnp.tanh(v @ v), state["x"])
+        return {"x": x}, jnp.sum(x)
+
+    step = StepFunction(fn, donate=True)
+    n, state = jnp.asarray(2000), {"x": jnp.eye(128) * 0.5}
+    state, total = step(n, state)  # compiles
+    state, total = step(n, state)
+    assert not total.is_ready()
+    d = np.float32(0.5)
+    for _ in range(4000):
+        d = np.tanh(d * d)
+    np.testing.assert_allclose(float(total), 128 * d, rtol=1e-5)
+
+
+def test_statics_pass_through_the_state_is_donated_and_one_structure_compiles_once():
+    def fn(batch, state):
+        scale, act = state["scale"], state["act"]
+        return {"w": act(state["w"]) * scale + batch, "scale": scale, "act": act}, {"sum": jnp.sum(state["w"])}
+
+    step = StepFunction(fn, donate=True)
+    batch, w = jnp.full(4, 0.5), np.asarray([-1.0, 0.0, 1.0, 2.0], np.float32)
+    state = {"w": jnp.asarray(w), "scale": 3, "act": jax.nn.relu}
+    with count_compilations() as compiles:
+        for _ in range(3):
+            old, (state, metrics) = state, step(batch, state)
+            assert old["w"].is_deleted() and not batch.is_deleted()
+    assert compiles.count == 1
+    assert state["scale"] == 3 and state["act"] is jax.nn.relu
+    expected = w
+    for _ in range(3):
+        last, expected = expected, np.maximum(expected, 0) * 3 + 0.5
+    np.testing.assert_allclose(state["w"], expected)
+    assert float(metrics["sum"]) == float(last.sum())
+    with count_compilations() as compiles:  # another static: another program
+        step(batch, {**state, "scale": 2})
+    assert compiles.count == 1
