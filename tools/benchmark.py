@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import platform
@@ -90,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nonsync", action="store_true",
                         help="instead of the step table: full-batch steps without an event (DiLoCo, Streaming "
                              "V = 1) against plain training's, paired in each repetition (no mesh)")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="with --nonsync: also trace three repetitions per mode with jax.profiler into "
+                             "DIR/<size> and summarize their device time and gaps (tools/trace_gaps.py)")
     parser.add_argument("--host-memory", action="store_true",
                         help="instead of the step table: full-batch steps with freed host memory kept for reuse "
                              "(diloco_eqx.host_memory, as runs do) and returned as glibc does, side by side in "
@@ -103,7 +107,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.trace and not args.nonsync:
+        parser.error("--trace: only with --nonsync (it traces the no-event steps that mode times)")
     from diloco_eqx import host_memory
 
     if not args.no_keep_host_memory and args.host_memory_worker != "default":
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_host_memory(sizes, reps, args.sync_period)
         print(format_host_memory(result["host_memory"]))
     elif args.nonsync:
-        result = run_nonsync(sizes, reps, args.sync_period, args.num_fragments, args.dtype)
+        result = run_nonsync(sizes, reps, args.sync_period, args.num_fragments, args.dtype, args.trace)
         print(format_nonsync(result["nonsync"]))
     elif args.exchange_placement:
         result = run_exchange_placement(sizes, reps, args.sync_period, args.num_fragments)
@@ -630,14 +637,14 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
 NONSYNC_MODES = ("plain", "diloco", "streaming")
 
 
-def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
+def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int, trace: str | None = None) -> dict:
     """Full-batch steps without a schedule event (DiLoCo and Streaming with V = 1, each run at
     t = 5) against the plain step: every repetition runs the three back to back, the first
     of them rotating, and each mode's result is the mean of its per-repetition ratios to
-    plain's with the 95% t-interval (the first repetition compiles and is dropped)."""
-    import equinox as eqx
+    plain's with the 95% t-interval (the first repetition compiles and is dropped). With
+    `trace`, three more repetitions run under `jax.profiler` into that folder, each step in a
+    host annotation `mode_{mode}_{rep}` (`tools.trace_gaps` summarizes it)."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -658,21 +665,42 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
     for rep in range(reps + 1):
         turn = rep % len(NONSYNC_MODES)
         for m in NONSYNC_MODES[turn:] + NONSYNC_MODES[:turn]:
-            state, step = steps[m]
-            if m != "plain":  # the step ends at t = 5: no sync, stash, exchange or apply
-                state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(4, jnp.int32)))
-            t0 = time.perf_counter()
-            state, _ = step.step_placed(state, placed[m])
-            jax.block_until_ready(state)
+            elapsed = _nonsync_step(steps[m], placed[m], m != "plain")
             if rep:
-                times[m].append(time.perf_counter() - t0)
-            steps[m][0] = state
-        if rep in (0, reps // 2):  # progress: a GPU process spends minutes before the first timed step
+                times[m].append(elapsed)
+        if rep % max(reps // 4, 1) == 0:  # progress: a GPU process spends minutes before the first timed step
             print(f"{size.name} --nonsync: repetition {rep} of {reps} done at {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
     plain = times["plain"]
     modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain)} for m in cfgs}
-    return {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps}
+    out = {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps}
+    if trace:
+        with jax.profiler.trace(trace):
+            for rep in range(3):
+                for m in NONSYNC_MODES:
+                    _nonsync_step(steps[m], placed[m], m != "plain", f"mode_{m}_{rep}")
+    return out
+
+
+def _nonsync_step(state_and_step: list, batches, reset_t: bool, annotation: str | None = None) -> float:
+    """One step (from t = 4, so it ends at t = 5 without an event, where `reset_t`), timed
+    from its call until its new state is ready; the state is replaced in place."""
+    import contextlib
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    state, step = state_and_step
+    if reset_t:
+        state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(4, jnp.int32)))
+    with jax.profiler.TraceAnnotation(annotation) if annotation else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        state, _ = step.step_placed(state, batches)
+        jax.block_until_ready(state)
+        elapsed = time.perf_counter() - t0
+    state_and_step[0] = state
+    return elapsed
 
 
 def _ratio_interval(a, b) -> dict:
@@ -680,17 +708,38 @@ def _ratio_interval(a, b) -> dict:
     return {"ratio": ci["mean"], "ratio_low": ci["lo"], "ratio_high": ci["hi"]}
 
 
-def run_nonsync(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32") -> dict:
-    out = {size.name: nonsync(_model(size, dtype), size, 2, sync_period, num_fragments, reps) for size in sizes}
+def run_nonsync(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32",
+                trace: str | None = None) -> dict:
+    if trace is not None:
+        import jax
+
+        if jax.default_backend() == "cpu":
+            raise SystemExit("--trace: needs an accelerator (XLA:CPU's trace has no device timeline to "
+                             "summarize); this machine's backend is cpu")
+    out = {}
+    for size in sizes:
+        folder = None if trace is None else os.path.join(trace, size.name)
+        out[size.name] = nonsync(_model(size, dtype), size, 2, sync_period, num_fragments, reps, folder)
+        if folder is not None:
+            from tools import trace_gaps
+
+            found = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz")))
+            out[size.name]["trace"] = trace_gaps.summarize(found[-1])
     return {"nonsync": out, **_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
 
 
 def format_nonsync(result: dict) -> str:
-    return "\n".join(
-        f"{size} non-sync step / plain (full batch, mean [95%], {c['reps']} paired reps; plain "
-        f"{1e3 * c['plain_s']:.2f} ms): " + ", ".join(
-            f"{m} {r['ratio']:.4f} [{r['ratio_low']:.4f}, {r['ratio_high']:.4f}]" for m, r in c["modes"].items())
-        for size, c in result.items())
+    from tools import trace_gaps
+
+    lines = []
+    for size, c in result.items():
+        lines.append(f"{size} non-sync step / plain (full batch, mean [95%], {c['reps']} paired reps; plain "
+                     f"{1e3 * c['plain_s']:.2f} ms): " + ", ".join(
+                         f"{m} {r['ratio']:.4f} [{r['ratio_low']:.4f}, {r['ratio_high']:.4f}]"
+                         for m, r in c["modes"].items()))
+        if "trace" in c:
+            lines += [f"{size} traced steps (medians of 3):", trace_gaps.format_summary(c["trace"])]
+    return "\n".join(lines)
 
 
 def run_exchange_placement(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:
