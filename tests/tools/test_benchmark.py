@@ -127,10 +127,48 @@ def check_nonsync_json(result: dict) -> None:
 
 
 def test_committed_cpu_nonsync_json():
-    """benchmarks/cpu_nonsync.json as committed: 10M and 30M, 240 paired repetitions each."""
+    """benchmarks/cpu_nonsync.json as committed (03c02a1): 10M and 30M, 400 paired repetitions
+    each, every no-event step within 1% of plain's, whole interval."""
     result = json.loads((ROOT / "benchmarks" / "cpu_nonsync.json").read_text())
     check_nonsync_json(result)
-    assert set(result["nonsync"]) == {"10M", "30M"} and result["settings"]["reps"] == 240
+    assert set(result["nonsync"]) == {"10M", "30M"} and result["settings"]["reps"] == 400
+    assert all(r["ratio_high"] < 1.01 for c in result["nonsync"].values() for r in c["modes"].values())
+
+
+def test_committed_gpu_h200_nonsync_json():
+    """benchmarks/gpu_h200_nonsync*.json as committed (one H200, the 100M model in bfloat16,
+    full batch): DiLoCo's step without an event within 1% of plain's, whole interval, before
+    and after 03c02a1; and the traces of those steps (gpu_h200_trace.json): the device is
+    busy as long in every mode (within 0.3 ms of plain's 119 ms) while the host reads 4 or 5
+    loop predicates a step before and 2 or 3 after, and the Streaming step's span over
+    plain's shrinks with them."""
+    runs = {rev: json.loads((ROOT / "benchmarks" / f"gpu_h200_nonsync{rev}.json").read_text())
+            for rev in ("_b1e1b12", "")}
+    for result in runs.values():
+        check_nonsync_json(result)
+        assert result["dtype"] == "bfloat16" and result["nonsync"]["100M"]["params"] == 114_451_200
+        assert result["nonsync"]["100M"]["modes"]["diloco"]["ratio_high"] < 1.01
+    trace = json.loads((ROOT / "benchmarks" / "gpu_h200_trace.json").read_text())
+    reads = {"b1e1b12": {"plain": 0, "diloco": 4, "stream1": 5, "stream0": 4},
+             "03c02a1": {"plain": 0, "diloco": 2, "stream1": 3, "stream0": 2}}
+    for rev, modes in trace.items():
+        if rev == "how":
+            continue
+        assert {m: s["d2h"] for m, s in modes.items()} == reads[rev]
+        assert all(abs(s["busy"] - modes["plain"]["busy"]) < 300 for s in modes.values()), rev
+    span = {rev: trace[rev]["stream1"]["span"] - trace[rev]["plain"]["span"] for rev in reads}
+    assert 0 < span["03c02a1"] < span["b1e1b12"], span
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--trace", "t"], "--trace: only with --nonsync"),
+    (["--nonsync", "--trace", "t"], "--trace: needs an accelerator"),
+])
+def test_trace_is_refused_where_it_cannot_run(tmp_path, flags, message):
+    """Before any model is built or file written: --trace without --nonsync, or on CPU."""
+    run = subprocess.run([sys.executable, "-m", "tools.benchmark", *flags, "--sizes", "1M"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and message in run.stderr and not (tmp_path / "t").exists()
 
 
 @pytest.mark.slow
