@@ -1,9 +1,9 @@
 """How the training steps are compiled: the jit they are built with, and its XLA options.
 
-`StepFunction` jits a step over its arguments' array leaves and returns as soon as the
-step is queued (see its docstring). Options: by default none: XLA picks. On CPU, `cpu_scheduler("memory")` builds the steps made inside
-it with XLA:CPU's memory-optimized instruction order instead of its default, concurrency-
-optimized one. The order never changes a step's numbers, and it lowers every step's
+`StepFunction` jits a step over its arguments' array leaves and returns once the step is
+queued (see its docstring). XLA options: by default none, XLA picks. On CPU,
+`cpu_scheduler("memory")` builds the steps made inside it with XLA:CPU's memory-optimized
+instruction order instead of its default, concurrency-optimized one. The order never changes a step's numbers, and it lowers every step's
 absolute memory, but it was slower where paired step times told them apart (`tools/benchmark.py --cpu-orders`
 measures both, side by side). Under the default order a Streaming step's deferred exchange
 (V >= 1) once ran between the forward and backward passes and made the step's block of
@@ -59,10 +59,12 @@ def step_options(mesh: Mesh | None) -> dict[str, str]:
 class StepFunction:
     """`fn(first, *rest)` compiled with `jax.jit` once per structure of its arguments: array
     leaves are traced, other leaves are static, and with `donate` the arrays of `rest` (the
-    state) are donated. A call returns as soon as the step is queued, so the host can fetch
-    the next batch and queue the next step while this one runs. (Equinox's `filter_jit`
-    waits for every call to finish, to raise its runtime errors at the call: the host then
-    sits idle during each step and its own work lands between steps.)"""
+    state) are donated. A call returns once the step is queued, so the host can fetch the
+    next batch and queue the next step while this one runs (on XLA:GPU a step with
+    schedule-event loops returns after the last loop predicate it reads on the host).
+    Equinox's `filter_jit` instead waits for every call to finish, to raise its runtime
+    errors at the call: the host sits idle during each step and its own work lands between
+    steps."""
 
     def __init__(self, fn, *, donate: bool = False, mesh: Mesh | None = None):
         self._fn, self._donate, self._options = fn, donate, step_options(mesh)
@@ -71,38 +73,55 @@ class StepFunction:
     def _find(self, args: tuple):
         first, first_def = jax.tree.flatten(args[0])
         rest, rest_def = jax.tree.flatten(args[1:])
-        key = (first_def, _statics(first), rest_def, _statics(rest))
+        first_statics, rest_statics = _statics(first), _statics(rest)
+        key = (first_def, first_statics, _types(first_statics), rest_def, rest_statics, _types(rest_statics))
         if key not in self._built:
-            self._built[key] = self._build(*key)
+            self._built[key] = self._build(first_def, first_statics, rest_def, rest_statics)
         return self._built[key], [x for x in first if _is_array(x)], [x for x in rest if _is_array(x)]
 
     def _build(self, first_def, first_statics, rest_def, rest_statics):
-        """`fn` jitted on flat lists of array leaves, and (filled in when it is traced) the
-        structure of its output."""
-        out_structure: list = []
-
+        """`fn` jitted on flat lists of array leaves; its output's structure travels in the
+        output itself, as a static node, so each of jax's traces keeps its own."""
         def flat(first: list, rest: list):
             args = (jax.tree.unflatten(first_def, _fill(first_statics, first)),
                     *jax.tree.unflatten(rest_def, _fill(rest_statics, rest)))
             leaves, treedef = jax.tree.flatten(self._fn(*args))
-            out_structure[:] = [treedef, _statics(leaves)]
-            return [x for x in leaves if _is_array(x)]
+            return [x for x in leaves if _is_array(x)], _Structure(treedef, _statics(leaves))
 
-        jitted = jax.jit(flat, donate_argnums=(1,) if self._donate else (),
-                         compiler_options=self._options or None)
-        return jitted, out_structure
+        flat.__name__ = flat.__qualname__ = getattr(self._fn, "__name__", None) or getattr(
+            getattr(self._fn, "func", None), "__name__", "step")
+        return jax.jit(flat, donate_argnums=(1,) if self._donate else (),
+                       compiler_options=self._options or None)
 
     def __call__(self, *args):
-        (jitted, out_structure), first, rest = self._find(args)
+        jitted, first, rest = self._find(args)
         with warnings.catch_warnings():  # jax says which donated buffers it could not reuse
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            out = jitted(first, rest)
-        treedef, statics = out_structure
-        return jax.tree.unflatten(treedef, _fill(statics, out))
+            arrays, structure = jitted(first, rest)
+        return jax.tree.unflatten(structure.treedef, _fill(structure.statics, arrays))
 
     def lower(self, *args) -> jax.stages.Lowered:
-        (jitted, _), first, rest = self._find(args)
+        jitted, first, rest = self._find(args)
         return jitted.lower(first, rest)
+
+
+@jax.tree_util.register_static
+class _Structure:
+    """A step output's tree structure and non-array leaves: a pytree node without leaves."""
+
+    def __init__(self, treedef, statics: tuple):
+        self.treedef, self.statics = treedef, statics
+
+    def __eq__(self, other):
+        return isinstance(other, _Structure) and (self.treedef, self.statics) == (other.treedef, other.statics)
+
+    def __hash__(self):
+        return hash((self.treedef, self.statics))
+
+
+def _types(statics: tuple) -> tuple:
+    """Their types: 2, 2.0 and True are equal keys, not equal programs."""
+    return tuple(type(s) for s in statics)
 
 
 def _is_array(x) -> bool:

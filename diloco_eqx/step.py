@@ -274,7 +274,7 @@ def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_o
     taken as if every island were finite, and its norm tells, since one non-finite island
     makes it non-finite. Only a finite norm with every island sending is trusted (then
     every island is known finite, for an apply in the same step) and stepped on; otherwise
-    `sync_stage` does the sync again, checked, with the numbers of checking first. So a
+    `checked_again` does the sync again, checked, with the numbers of checking first. So a
     healthy sync reads no island's fragment twice."""
     frags, islands, cfg = plan.fragments, plan.islands, plan.cfg
     missing = cfg.fault_model.missing(t_sync, islands.ids(), deltas)
@@ -364,7 +364,7 @@ def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bo
             return out
         with jax.named_scope(RECHECK_SCOPE):
             again = lambda c, src, t: exchange(f, t, src, *c[:3], checked=True)  # noqa: E731
-            return when(~out[5], 0, [again], pin(out), src, t, pin=pin)
+            return when(~out[5], 0, [again], out, src, t, pin=pin)
 
     branches = [partial(branch, f=j) for j in range(p)]
     ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True, after=after)

@@ -25,22 +25,22 @@ D2H = "MemcpyD2H"
 
 
 def load(path: str) -> tuple[list[dict], list[dict]]:
-    """(host annotations, device events), each a list of complete ("X") trace events."""
+    """(every complete ("X") trace event, the device's ones by start time)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    processes = {}
-    with opener(path, "rt") as f:
-        for e in json.load(f)["traceEvents"]:
-            if e.get("ph") == "M" and e.get("name") == "process_name":
-                processes[e["pid"]] = e["args"]["name"]
+        trace = json.load(f)["traceEvents"]
+    processes = {e["pid"]: e["args"]["name"] for e in trace
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events = [e for e in trace if e.get("ph") == "X"]
     device = sorted((e for e in events if "/device:" in processes.get(e["pid"], "")), key=lambda e: e["ts"])
     return events, device
 
 
 def step_summary(annotation: dict, device: list[dict], start_at: str | None = None) -> dict[str, float]:
     """The device events inside one annotated step (from the last `start_at` event, if
-    given), summarized (microseconds)."""
+    given), summarized (microseconds). Events may overlap (copies on other streams): busy
+    time is the union of their intervals, and a gap is idle time before an event, after
+    every event that started earlier has ended."""
     lo, hi = annotation["ts"], annotation["ts"] + annotation["dur"]
     inside = [e for e in device if lo <= e["ts"] < hi]
     if start_at is not None:
@@ -49,12 +49,16 @@ def step_summary(annotation: dict, device: list[dict], start_at: str | None = No
     if not inside:
         raise ValueError(f"{annotation['name']}: no device events inside the annotation"
                          + (f" from a {start_at!r} on" if start_at else ""))
-    gaps = [max(0.0, b["ts"] - a["ts"] - a["dur"]) for a, b in zip(inside, inside[1:])]
-    end = max(e["ts"] + e["dur"] for e in inside)
-    return {"busy": sum(e["dur"] for e in inside), "span": end - inside[0]["ts"], "gaps": sum(gaps),
+    busy, gaps, reach = 0.0, [], inside[0]["ts"]
+    for e in inside:
+        start, end = e["ts"], e["ts"] + e["dur"]
+        gaps.append(max(0.0, start - reach))
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return {"busy": busy, "span": reach - inside[0]["ts"], "gaps": sum(gaps),
             "d2h": sum(e["name"] == D2H for e in inside),
-            "after_d2h": sum(g for e, g in zip(inside, gaps) if e["name"] == D2H),
-            "host_after": hi - end, "events": len(inside)}
+            "after_d2h": sum(g for e, g in zip(inside, gaps[1:]) if e["name"] == D2H),
+            "host_after": hi - reach, "events": len(inside)}
 
 
 def summarize(path: str, prefix: str = "mode_", start_at: str | None = None) -> dict[str, dict[str, float]]:

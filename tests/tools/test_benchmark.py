@@ -141,7 +141,8 @@ def test_committed_gpu_h200_nonsync_json():
     and after 03c02a1; and the traces of those steps (gpu_h200_trace.json): the device is
     busy as long in every mode (within 0.3 ms of plain's 119 ms) while the host reads 4 or 5
     loop predicates a step before and 2 or 3 after, and the Streaming step's span over
-    plain's shrinks with them."""
+    plain's shrinks with them; the plain step's call returns at dispatch after 03c02a1, a
+    DiLoCo step's still at its last predicate read."""
     runs = {rev: json.loads((ROOT / "benchmarks" / f"gpu_h200_nonsync{rev}.json").read_text())
             for rev in ("_b1e1b12", "")}
     for result in runs.values():
@@ -158,6 +159,9 @@ def test_committed_gpu_h200_nonsync_json():
         assert all(abs(s["busy"] - modes["plain"]["busy"]) < 300 for s in modes.values()), rev
     span = {rev: trace[rev]["stream1"]["span"] - trace[rev]["plain"]["span"] for rev in reads}
     assert 0 < span["03c02a1"] < span["b1e1b12"], span
+    returned = {rev: {m: s["dispatch_ms"] for m, s in trace[rev].items()} for rev in reads}
+    assert all(ms > 100 for ms in returned["b1e1b12"].values())  # filter_jit waited for every step
+    assert returned["03c02a1"]["plain"] < 10 and all(returned["03c02a1"][m] > 100 for m in ("diloco", "stream1"))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -165,9 +169,11 @@ def test_committed_gpu_h200_nonsync_json():
     (["--nonsync", "--trace", "t"], "--trace: needs an accelerator"),
 ])
 def test_trace_is_refused_where_it_cannot_run(tmp_path, flags, message):
-    """Before any model is built or file written: --trace without --nonsync, or on CPU."""
+    """Before any model is built or file written: --trace without --nonsync, or on CPU (the
+    subprocess is held to CPU, so the test says the same on a machine with an accelerator)."""
     run = subprocess.run([sys.executable, "-m", "tools.benchmark", *flags, "--sizes", "1M"], cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and message in run.stderr and not (tmp_path / "t").exists()
 
 

@@ -64,3 +64,13 @@ def test_a_step_with_no_device_events_is_named(tmp_path):
         trace_gaps.summarize(path)
     with pytest.raises(ValueError, match="no host annotation starts with 'step_'"):
         trace_gaps.summarize(path, prefix="step_")
+
+
+def test_overlapping_events_count_once(tmp_path):
+    """In [0, 100): a kernel [10, 50), a copy on another stream [20, 30) inside it, a kernel
+    [40, 60) overlapping its end, a read [62, 63) and a kernel [70, 80): busy is the union
+    [10, 60) + [62, 63) + [70, 80) = 61, span 70, gaps 2 + 7 = 9 (7 of them after the read)."""
+    path = _trace(tmp_path, [_x(HOST, "mode_a_0", 0, 100), _x(DEVICE, "k1", 10, 40), _x(DEVICE, "copy", 20, 10),
+                             _x(DEVICE, "k2", 40, 20), _x(DEVICE, "MemcpyD2H", 62, 1), _x(DEVICE, "k3", 70, 10)])
+    got = trace_gaps.summarize(path)["a"]
+    assert (got["busy"], got["span"], got["gaps"], got["after_d2h"], got["host_after"]) == (61, 70, 9, 7, 20)
