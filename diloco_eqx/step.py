@@ -351,23 +351,21 @@ def pin_exchange(plan: Plan, out):
 
 def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bool = False, after=None):
     """The sync event at step `t` (of fragment f(t), if t is a sync step), taken unchecked
-    (lossless codecs) and, if it was not trusted, again checked within the same event (see
-    `exchange_fragment`), so a step without a sync tests one predicate for it;
+    (lossless codecs), then, if it was not trusted, again checked (see `exchange_fragment`);
     `exchange(f, t, source, outer, outer_opt, residual, checked=)` is one fragment's. With
-    `count`, the event's trips; `after` as in `when`."""
+    `count`, the trips of both; `after` as in `when`. The second pass is an event of its
+    own, not nested in the first's loop: nested, its temporaries joined the first's, and
+    where the deferred exchange is free to run beside the inner step (on an accelerator)
+    they met the activations (10M on CPU, allocated extra over the formula: 1.05 -> 1.23)."""
     p, pin, predicate = plan.schedule.num_fragments, partial(pin_exchange, plan), plan.schedule.is_sync(t)
     lossless = plan.cfg.codec.lossless
-
-    def branch(c, src, t, f):
-        out = exchange(f, t, src, *c[:3], checked=not lossless)
-        if not lossless:
-            return out
-        with jax.named_scope(RECHECK_SCOPE):
-            again = lambda c, src, t: exchange(f, t, src, *c[:3], checked=True)  # noqa: E731
-            return when(~out[5], 0, [again], out, src, t, pin=pin)
-
-    branches = [partial(branch, f=j) for j in range(p)]
+    branches = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=not lossless) for f in range(p)]
     ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True, after=after)
+    if lossless:
+        again = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=True) for f in range(p)]
+        with jax.named_scope(RECHECK_SCOPE):
+            ran_again, out = when(predicate & ~out[5], f, again, out, source, t, pin=pin, count=True)
+        ran = ran + ran_again
     return (ran, out) if count else out
 
 

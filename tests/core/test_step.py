@@ -289,17 +289,16 @@ def _top_level_loops(step, state, batch) -> int:
 
 @pytest.mark.parametrize("v", [0, 1])
 def test_an_event_tests_one_predicate_whatever_p(v):
-    """A step without events tests one predicate per stage, whatever P (XLA:GPU reads each
-    loop's predicate on the host): the sync (or the exchange), with its checked second pass
-    nested inside, and the apply, with its reset nested inside; at V = 1 also the stash.
-    So 2 loops at V = 0 and 3 at V = 1, for P = 2 and 5; one loop per fragment (0e13d2e)
-    gave 3·P + 1 and 4·P + 1, one guard per event with the recheck and reset beside them
-    (e3d619f) 4 and 5."""
+    """A step without events tests one predicate per event, whatever P (XLA:GPU reads each
+    loop's predicate on the host): the sync (or the exchange), its checked second pass, and
+    the apply, with its reset nested inside; at V = 1 also the stash. So 3 loops at V = 0
+    and 4 at V = 1, for P = 2 and 5; one loop per fragment (0e13d2e) gave 3·P + 1 and
+    4·P + 1, one guard per event with the reset beside the apply (e3d619f) 4 and 5."""
     model, inner = make_toy(4, 8), optax.adamw(1e-3)
     loops = {}
     for p in (2, 5):
         cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=10, streaming=True, num_fragments=p, overlap_steps=v)
         step = dl.make_train_step(cfg, toy_loss, inner)
         loops[p] = _top_level_loops(step, dl.init_state(model, inner, cfg), np.zeros((4, 8), np.float32))
-    want = 2 + v
+    want = 3 + v
     assert loops == {2: want, 5: want}, loops

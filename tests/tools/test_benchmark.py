@@ -140,7 +140,7 @@ def test_committed_gpu_h200_nonsync_json():
     full batch): DiLoCo's step without an event within 1% of plain's, whole interval, before
     and after 03c02a1; and the traces of those steps (gpu_h200_trace.json): the device is
     busy as long in every mode (within 0.3 ms of plain's 119 ms) while the host reads 4 or 5
-    loop predicates a step before and 2 or 3 after, and the Streaming step's span over
+    loop predicates a step before and 2 or 3 at 03c02a1, and the Streaming step's span over
     plain's shrinks with them; the plain step's call returns at dispatch after 03c02a1, a
     DiLoCo step's still at its last predicate read."""
     runs = {rev: json.loads((ROOT / "benchmarks" / f"gpu_h200_nonsync{rev}.json").read_text())
