@@ -45,8 +45,13 @@ class _Layers:
         idx = self.indices
         return idx == tuple(range(idx[0], idx[0] + len(idx)))
 
-    def read(self, x: jax.Array) -> jax.Array:
+    def read(self, x: jax.Array, at=None) -> jax.Array:
+        """The group's layers of x; with `at` (a traced zero), read from offsets shifted by it."""
         idx = self.indices
+        if at is not None:
+            if self.contiguous:
+                return lax.dynamic_slice_in_dim(x, idx[0] + at, len(idx), axis=0)
+            return jnp.concatenate([lax.dynamic_slice_in_dim(x, i + at, 1, axis=0) for i in idx], axis=0)
         if self.contiguous:
             return lax.slice_in_dim(x, idx[0], idx[0] + len(idx), axis=0)
         # one slice per layer, like the writes: XLA then updates the stack in place where a
@@ -106,13 +111,14 @@ class Fragmentation:
             )
         return self.groups[f - 1]
 
-    def _take_leaf(self, f: int) -> Callable[[Any, bool], Any]:
+    def _take_leaf(self, f: int, at=None) -> Callable[[Any, bool], Any]:
+        whole = (lambda x: x) if at is None else (lambda x: x if x is None else jnp.where(at == 0, x, jnp.zeros((), x.dtype)))
         if self.num_fragments == 1:
-            return lambda x, is_layer: x
+            return lambda x, is_layer: whole(x)
         if f == 0:
-            return lambda x, is_layer: None if is_layer else x
+            return lambda x, is_layer: None if is_layer else whole(x)
         layers = _Layers(self.groups[f - 1])
-        return lambda x, is_layer: layers.read(x) if is_layer else None
+        return lambda x, is_layer: layers.read(x, at) if is_layer else None
 
     def _put_leaf(self, f: int) -> Callable[[Any, Any, bool], Any]:
         layers = _Layers(self.groups[f - 1]) if f else None
@@ -124,9 +130,12 @@ class Fragmentation:
 
         return put
 
-    def take(self, tree: PyTree, f: int) -> PyTree:
-        """Fragment f of a params-shaped tree (leaves outside f become None)."""
-        return jax.tree.map(self._take_leaf(f), tree, self.layer_mask, is_leaf=_is_none)
+    def take(self, tree: PyTree, f: int, at=None) -> PyTree:
+        """Fragment f of a params-shaped tree (leaves outside f become None). `at`, a zero
+        that XLA cannot tell is zero (`step.when(..., zero=True)` gives one to a loop body),
+        makes the read depend on it, so that XLA keeps it, and what is computed from it,
+        inside the loop, and copies only the fragment."""
+        return jax.tree.map(self._take_leaf(f, at), tree, self.layer_mask, is_leaf=_is_none)
 
     def put(self, tree: PyTree, f: int, part: PyTree) -> PyTree:
         """`tree` with fragment f replaced by `part` (shaped like `take(tree, f)`)."""

@@ -163,7 +163,7 @@ def params(tree: PyTree) -> PyTree:
 
 
 def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Callable = lambda out: out,
-         after: Int[Array, ""] | None = None, count: bool = False):
+         after: Int[Array, ""] | None = None, count: bool = False, zero: bool = False):
     """`branches[f](carry, *invariants)` when `predicate` holds, else `carry`: the one shape
     of every schedule event, so the step compiles once.
 
@@ -173,7 +173,10 @@ def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Ca
     inside one guard loop on `predicate`, so a step without the event tests one predicate,
     not one per fragment (XLA:GPU reads each loop's predicate on the host). The invariants
     reach each body through a select on its trip counter, so XLA cannot hoist work that
-    reads only them out of the loop to run on every step. `pin` fixes the carry's layout
+    reads only them out of the loop to run on every step; with `zero`, they reach it as they
+    are, after a zero that XLA sees change with the trip (`branch(carry, zero, *invariants)`),
+    for a body that reads only a fragment of them through it (`Fragmentation.take(at=)`):
+    the select would copy all of each invariant. `pin` fixes the carry's layout
     on an island mesh. `count` returns (trips run, carry); given as `after` to another
     event, that event's loops wait for this one (their trip counts read it), so this one
     may read what the other updates in place without XLA copying it."""
@@ -182,12 +185,12 @@ def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Ca
         trips = jnp.maximum(trips, jnp.minimum(after, 0))
     with jax.named_scope(EVENT_SCOPE):
         if len(branches) == 1:
-            ran, carry = _once(trips, branches[0], pin(carry), invariants, pin)
+            ran, carry = _once(trips, branches[0], pin(carry), invariants, pin, zero)
         else:
             def each(state, *_):
                 ran, c = state
                 for j, branch in enumerate(branches):
-                    trip, c = _once((f == j).astype(jnp.int32), branch, c, invariants, pin)
+                    trip, c = _once((f == j).astype(jnp.int32), branch, c, invariants, pin, zero)
                     ran = ran + trip
                 return ran, c
 
@@ -195,11 +198,12 @@ def when(predicate, f, branches: Sequence[Callable], carry, *invariants, pin: Ca
     return (ran, carry) if count else carry
 
 
-def _once(trips: Int[Array, ""], branch: Callable, carry, invariants: tuple, pin: Callable):
+def _once(trips: Int[Array, ""], branch: Callable, carry, invariants: tuple, pin: Callable, zero: bool = False):
     """`branch(carry, *invariants)` as a loop of `trips` (0 or 1) trips: (trips run, carry)."""
     def body(state):
         trip, c = state
-        return trip + 1, pin(branch(c, *_loop_variant(trip, invariants)))
+        args = ((trip < 0).astype(jnp.int32), *invariants) if zero else _loop_variant(trip, invariants)
+        return trip + 1, pin(branch(c, *args))
 
     return lax.while_loop(lambda state: state[0] < trips, body, (jnp.zeros((), jnp.int32), carry))
 
@@ -461,16 +465,17 @@ def consensus(plan: Plan, s: DiLoCoState) -> PyTree:
 # ---------------------------------------------------------------- apply of one fragment
 
 
-def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool = False, finite=None):
+def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool = False, finite=None, at=None):
     """Every island takes outer fragment f, blended with α, and says whether its own fragment
     f was not finite (checked here, or `finite` as this step's sync of f found it): those are
     reset (`reset_islands`), here when the backend cannot branch on island values, else by
-    `apply_stage`. Returns (islands, their optimizer states, which were found non-finite)."""
+    `apply_stage`. `at` reads the outer fragment inside an event's loop (see `when`).
+    Returns (islands, their optimizer states, which were found non-finite)."""
     take, put = plan.fragments.take, plan.fragments.put
     if per_island:  # delayed outer updates: each island's own outer copy
-        outer_f = plan.islands.map(lambda o: take(o, f), outer)
+        outer_f = plan.islands.map(lambda o: take(o, f, at), outer)
     else:
-        outer_f = plan.on_islands(take(params(outer), f))
+        outer_f = plan.on_islands(take(params(outer), f, at))
     inner = plan.pin_islands(inner)
 
     def one(island, o, ok=None):
@@ -518,8 +523,8 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None, per_island: 
     s, p = plan.schedule, plan.schedule.num_fragments
     reset = lambda c, b, o: reset_islands(plan, b, *c, o, per_island)  # noqa: E731
 
-    def branch(c, o, *ok, f):
-        inner, inner_opt, bad = apply_fragment(plan, f, c[0], c[1], o, per_island, *ok)
+    def branch(c, zero, o, *ok, f):
+        inner, inner_opt, bad = apply_fragment(plan, f, c[0], c[1], o, per_island, *ok, at=zero)
         if plan.islands.local_branches:  # each device slice resets its own islands, when one is bad
             inner, inner_opt = when(jnp.any(bad), 0, [reset], (inner, inner_opt), bad, o, pin=plan.pin_islands)
         return inner, inner_opt, bad
@@ -528,7 +533,7 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None, per_island: 
     outer = outer if per_island else params(outer)
     return when(s.is_apply(t), s.fragment_at(t - s.overlap_steps), [partial(branch, f=f) for f in range(p)],
                 (inner, inner_opt, none), outer, *(() if finite is None else (finite,)),
-                pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after)
+                pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after, zero=True)
 
 
 # ---------------------------------------------------------------- whole steps

@@ -302,3 +302,22 @@ def test_an_event_tests_one_predicate_whatever_p(v):
         loops[p] = _top_level_loops(step, dl.init_state(model, inner, cfg), np.zeros((4, 8), np.float32))
     want = 3 + v
     assert loops == {2: want, 5: want}, loops
+
+
+def test_an_apply_reads_only_its_fragment_of_the_outer_model():
+    """The apply's loop body reads the outer fragment through a trip-dependent zero
+    (`when(zero=True)`), so no select copies the whole outer layer stack on an apply: the
+    only whole-stack selects left in the apply are inside the reset's own event (run only
+    when an island is reset). Before, every fragment's body selected the whole stack."""
+    model, inner = make_toy(4, 8), optax.adamw(1e-3)
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=9, streaming=True, num_fragments=3, overlap_steps=1)
+    text = dl.make_train_step(cfg, toy_loss, inner).lower(dl.init_state(model, inner, cfg),
+                                                          np.zeros((4, 8), np.float32)).compile().as_text()
+    stack = {"f32[" + ",".join(map(str, x.shape)) + "]" for x in jax.tree.leaves(model.layers)}
+    selects = []
+    for line in text.splitlines():
+        shape, name = re.search(r"= (\w+\[[\d,]*\])", line), re.search(r'op_name="([^"]*)"', line)
+        if shape and name and shape.group(1) in stack and "/diloco_apply/" in name.group(1) \
+                and name.group(1).endswith("jit(_where)/select_n") and "vmap(jit(_where))" not in name.group(1):
+            selects.append(name.group(1).count("schedule_event"))
+    assert selects and set(selects) == {2}, selects  # 2: the reset's event inside the apply's
