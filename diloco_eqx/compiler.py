@@ -3,12 +3,13 @@
 `StepFunction` jits a step over its arguments' array leaves and returns once the step is
 queued (see its docstring). XLA options: by default none, XLA picks. On CPU,
 `cpu_scheduler("memory")` builds the steps made inside it with XLA:CPU's memory-optimized
-instruction order instead of its default, concurrency-optimized one. The order never changes a step's numbers, and it lowers every step's
-absolute memory, but it was slower where paired step times told them apart (`tools/benchmark.py --cpu-orders`
-measures both, side by side). Under the default order a Streaming step's deferred exchange
-(V >= 1) once ran between the forward and backward passes and made the step's block of
-temporaries up to a stash larger than it holds; on CPU the exchange now waits for the inner
-step instead (`step.exchange_waits_by_default`). A whole run takes XLA's own flag:
+instruction order instead of its default, concurrency-optimized one. The order never
+changes a step's numbers, and it lowers every step's absolute memory, but it was slower
+where paired step times told them apart (`tools/benchmark.py --cpu-orders` measures both,
+side by side). Under the default order a Streaming step's deferred exchange (V >= 1) once
+ran between the forward and backward passes and made the step's block of temporaries up to
+a stash larger than it holds; on CPU the exchange now waits for the inner step instead
+(`step.exchange_waits_by_default`). A whole run takes XLA's own flag:
 XLA_FLAGS=--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED.
 """
 
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
+import equinox as eqx
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 CPU_SCHEDULERS = {"memory": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
@@ -77,7 +80,7 @@ class StepFunction:
         key = (first_def, first_statics, _types(first_statics), rest_def, rest_statics, _types(rest_statics))
         if key not in self._built:
             self._built[key] = self._build(first_def, first_statics, rest_def, rest_statics)
-        return self._built[key], [x for x in first if _is_array(x)], [x for x in rest if _is_array(x)]
+        return self._built[key], [x for x in first if eqx.is_array(x)], [x for x in rest if eqx.is_array(x)]
 
     def _build(self, first_def, first_statics, rest_def, rest_statics):
         """`fn` jitted on flat lists of array leaves; its output's structure travels in the
@@ -86,7 +89,7 @@ class StepFunction:
             args = (jax.tree.unflatten(first_def, _fill(first_statics, first)),
                     *jax.tree.unflatten(rest_def, _fill(rest_statics, rest)))
             leaves, treedef = jax.tree.flatten(self._fn(*args))
-            return [x for x in leaves if _is_array(x)], _Structure(treedef, _statics(leaves))
+            return [x for x in leaves if eqx.is_array(x)], _Structure(treedef, _statics(leaves))
 
         flat.__name__ = flat.__qualname__ = getattr(self._fn, "__name__", None) or getattr(
             getattr(self._fn, "func", None), "__name__", "step")
@@ -106,17 +109,12 @@ class StepFunction:
 
 
 @jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
 class _Structure:
     """A step output's tree structure and non-array leaves: a pytree node without leaves."""
 
-    def __init__(self, treedef, statics: tuple):
-        self.treedef, self.statics = treedef, statics
-
-    def __eq__(self, other):
-        return isinstance(other, _Structure) and (self.treedef, self.statics) == (other.treedef, other.statics)
-
-    def __hash__(self):
-        return hash((self.treedef, self.statics))
+    treedef: Any
+    statics: tuple
 
 
 def _types(statics: tuple) -> tuple:
@@ -124,13 +122,9 @@ def _types(statics: tuple) -> tuple:
     return tuple(type(s) for s in statics)
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
 def _statics(leaves: list) -> tuple:
     """The leaves that are not arrays, by position (None marks an array's place)."""
-    return tuple(None if _is_array(x) else x for x in leaves)
+    return tuple(None if eqx.is_array(x) else x for x in leaves)
 
 
 def _fill(statics: tuple, arrays: list) -> list:

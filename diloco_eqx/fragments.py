@@ -112,7 +112,9 @@ class Fragmentation:
         return self.groups[f - 1]
 
     def _take_leaf(self, f: int, at=None) -> Callable[[Any, bool], Any]:
-        whole = (lambda x: x) if at is None else (lambda x: x if x is None else jnp.where(at == 0, x, jnp.zeros((), x.dtype)))
+        def whole(x):  # through `at` too, when given
+            return x if at is None or x is None else jnp.where(at == 0, x, jnp.zeros((), x.dtype))
+
         if self.num_fragments == 1:
             return lambda x, is_layer: whole(x)
         if f == 0:
