@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", nargs="+", choices=[s.name for s in SIZES], default=None)
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per phase")
     add_flags(parser, DiLoCoConfig(sync_period=100, streaming=True, num_fragments=5),
-              only=("sync_period", "num_fragments"))
+              only=("sync_period", "num_fragments", "fragment_order"))
     parser.add_argument("--meshes", nargs="+", choices=list(MESHES), default=None,
                         help="none: islands vmapped on one device; DxN<axis>: D islands of N "
                              "devices along the data and/or fsdp axes (2x1: one device each)")
@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.trace and not args.nonsync:
         parser.error("--trace: only with --nonsync (it traces the no-event steps that mode times)")
+    default_order = parser.get_default("fragment_order")  # DiLoCoConfig's
+    if args.fragment_order != default_order and not args.sync_cost_only:
+        parser.error(f"--fragment-order: only with --sync-cost-only (every other section times the "
+                     f"default order, {default_order!r})")
+    _check_order(parser, args.fragment_order)
     from diloco_eqx import host_memory
 
     if not args.no_keep_host_memory and args.host_memory_worker != "default":
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_cpu_orders(sizes, reps, args.sync_period, args.num_fragments)
         print(format_orders(result["cpu_orders"]))
     elif args.sync_cost_only:
-        result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments, args.dtype)
+        result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments, args.dtype, args.fragment_order)
         print("\n".join(_format_sync_cost(result["sync_cost"])))
     else:
         result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
@@ -353,7 +358,8 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
     }
 
 
-def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
+def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
+              fragment_order: str | None = None) -> dict:
     """What a sync adds to a step, against the floor of the bytes it must touch (no mesh).
 
     The batch is 2 sequences of 8 tokens, so the inner step is short and the differences are
@@ -365,7 +371,10 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     touch the model once, as one vanilla sync does, so it is that mean which 1/P of the
     vanilla sync's cost measures. The floor is one fused XLA pass that reads and writes, in
     place, as many bytes as the K islands, the outer model and its trace hold: the least a
-    vanilla sync can do is read them all and write them back."""
+    vanilla sync can do is read them all and write them back. It, the deferred sync's own
+    floor and the vanilla sync written by hand (with and without its norms) are timed in
+    every repetition too, after its steps. Streaming's fragments follow `fragment_order`
+    (the config's default when None)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -380,7 +389,8 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
     vanilla = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
     streaming = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
-                                num_fragments=num_fragments, overlap_steps=1)
+                                num_fragments=num_fragments, overlap_steps=1,
+                                **({} if fragment_order is None else {"fragment_order": fragment_order}))
     plain_state, plain_step = make_plain_step(model, loss_fn, inner, k)
     steps = {"plain": [plain_state, plain_step]}
     for name, cfg in (("diloco", vanilla), ("streaming", streaming)):
@@ -390,6 +400,13 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
     dh = schedule.steps_between_syncs
     phases = [("plain", None), ("diloco", 5), ("diloco", sync_period), ("streaming", 5)]
     times = {key: [] for key in [*phases, ("streaming", "sync"), ("streaming", "after")]}
+    island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
+    floor_bytes = (k * island_bytes + 2 * 4) * n  # K islands, outer model and trace (float32)
+    stream_bytes = _deferred_sync_bytes(n, k, island_bytes, num_fragments)
+    references = {"floor": _stream_floor(floor_bytes // 4), "stream_floor": _stream_floor(stream_bytes // 8),
+                  "by_hand": _handwritten_sync(model, k, vanilla),
+                  "minimal": _handwritten_sync(model, k, vanilla, norms=False)}
+    ref_times = {name: [] for name in references}
     synced = []  # the fragment each timed repetition's Streaming sync was of
     reps = -(-reps // num_fragments) * num_fragments  # every fragment equally often
     for rep in range(reps + 2):
@@ -408,18 +425,19 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
             if rep >= 2:
                 times[(mode, t)].append(time.perf_counter() - t0)
             steps[mode][0] = state
+        for name, reference in references.items():
+            seconds = reference()
+            if rep >= 2:
+                ref_times[name].append(seconds)
+    del references  # their buffers
+    floor, stream_floor, by_hand, minimal = (float(np.median(ref_times[r]))
+                                             for r in ("floor", "stream_floor", "by_hand", "minimal"))
     diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
 
     def ratio(a, b):  # the mean paired ratio with its 95% t-interval
         ci = _paired_interval(times[a], times[b])
         return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"]}
 
-    island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
-    floor_bytes = (k * island_bytes + 2 * 4) * n  # K islands, outer model and trace (float32)
-    floor = _stream_floor(floor_bytes // 4)
-    stream_bytes = _deferred_sync_bytes(n, k, island_bytes, num_fragments)
-    stream_floor = _stream_floor(stream_bytes // 8)
-    by_hand = _handwritten_sync(model, k, vanilla)
     vanilla_extra = diff(("diloco", sync_period), ("diloco", 5))
     stash_extra = diff(("streaming", "sync"), ("streaming", 5))
     exchange_extra = diff(("streaming", "after"), ("streaming", 5))
@@ -437,12 +455,13 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int) ->
             "vanilla_sync_extra_s": vanilla_extra, "vanilla_extra_over_floor": vanilla_extra / floor,
             "handwritten_sync_s": by_hand, "handwritten_over_floor": by_hand / floor,
             "vanilla_extra_over_handwritten": vanilla_extra / by_hand,
+            "minimal_sync_s": minimal, "minimal_over_floor": minimal / floor,
             "streaming_sync_extra_s": streaming_extra,
             "streaming_over_vanilla": streaming_extra / vanilla_extra, "one_over_p": 1 / num_fragments,
             "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
             "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)),
             **{f"{mode}_nonsync_ratio": ratio((mode, 5), ("plain", None)) for mode in ("diloco", "streaming")},
-            "reps": reps}
+            "fragment_order": streaming.fragment_order, "reps": reps}
 
 
 def _deferred_sync_bytes(n: int, k: int, island_bytes: int, num_fragments: int) -> int:
@@ -761,9 +780,21 @@ def format_exchange_placement(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32") -> dict:
-    costs = {size.name: sync_cost(_model(size, dtype), 2, sync_period, num_fragments, reps) for size in sizes}
+def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32",
+                  fragment_order: str | None = None) -> dict:
+    costs = {size.name: sync_cost(_model(size, dtype), 2, sync_period, num_fragments, reps, fragment_order)
+             for size in sizes}
     return {"sync_cost": costs, **_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
+
+
+def _check_order(parser: argparse.ArgumentParser, name: str) -> None:
+    """Refuse a fragment order that is not registered, before anything runs."""
+    from diloco_eqx.orders import resolve_order
+
+    try:
+        resolve_order(name)
+    except (KeyError, ValueError) as e:
+        parser.error(f"--fragment-order: {e}")
 
 
 HOST_MEMORY = ("keep", "default")
@@ -948,12 +979,33 @@ def format_orders(orders: dict) -> str:
     return "\n".join(lines)
 
 
-def _handwritten_sync(model, k: int, cfg, reps: int = 15) -> float:
-    """Seconds of a vanilla sync's arithmetic written by hand as one jitted function on
-    donated arrays (every island finite and contributing): the mean of the K pseudo-
-    gradients as a chain of adds, the outer Nesterov step, the two diagnostic norms and the
-    new outer model written into every island. What XLA makes of the sync without the
-    step's schedule, masks and fault handling: the step's own sync is compared with it."""
+class _Donated:
+    """A jitted function called on its own output (its argument donated): each call times one
+    run, so the references a sync is compared with are timed in the same repetitions as the
+    steps, not once on their own (the floor's own rate moved by 1.6x between runs)."""
+
+    def __init__(self, run, x, state=lambda out: out):
+        import jax
+
+        self.run, self.state = run, state
+        self.x = state(jax.block_until_ready(run(x)))  # compiled and warm
+
+    def __call__(self) -> float:
+        import jax
+
+        t0 = time.perf_counter()
+        self.x = self.state(jax.block_until_ready(self.run(self.x)))
+        return time.perf_counter() - t0
+
+
+def _handwritten_sync(model, k: int, cfg, norms: bool = True) -> _Donated:
+    """A vanilla sync's arithmetic written by hand as one jitted function on donated arrays
+    (every island finite and contributing): the mean of the K pseudo-gradients as a chain of
+    adds, the outer Nesterov step, the two diagnostic norms and the new outer model written
+    into every island. What XLA makes of the sync without the step's schedule, masks and
+    fault handling: the step's own sync is compared with it. Without `norms`, the least
+    arithmetic a sync is: what the backend can do against the floor, whatever the step does
+    (XLA:CPU writes each output of a leaf in a pass of its own, where the floor is one)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -967,35 +1019,22 @@ def _handwritten_sync(model, k: int, cfg, reps: int = 15) -> float:
         update, opt = tx.update(mean, opt, outer)
         new = optax.apply_updates(outer, update)
         islands = jax.tree.map(lambda o, i: jnp.broadcast_to(o, i.shape).astype(i.dtype), new, islands)
+        if not norms:
+            return islands, new, opt
         return islands, new, opt, optax.tree.norm(mean), optax.tree.norm(update)
 
     run = jax.jit(lambda args: sync(*args), donate_argnums=0)  # the norms are outputs: computed
     islands = jax.tree.map(lambda x: jnp.stack([x] * k), outer)
-    return _donated_seconds(run, (islands, jax.tree.map(lambda x: x + 0, outer), tx.init(outer)), reps,
-                            state=lambda out: out[:3])
+    return _Donated(run, (islands, jax.tree.map(lambda x: x + 0, outer), tx.init(outer)), state=lambda out: out[:3])
 
 
-def _stream_floor(values: int, reps: int = 15) -> float:
-    """Seconds of one fused, in-place pass that reads and writes `values` float32 values."""
+def _stream_floor(values: int) -> _Donated:
+    """One fused, in-place pass that reads and writes `values` float32 values."""
     import jax
     import jax.numpy as jnp
 
     touch = jax.jit(lambda x: x * 1.0000001 + 1e-9, donate_argnums=0)
-    return _donated_seconds(touch, jnp.ones((values,), jnp.float32), reps)
-
-
-def _donated_seconds(run, x, reps: int, state=lambda out: out) -> float:
-    """Median seconds of `x = state(run(x))` (x donated), after one warm-up call."""
-    import jax
-    import numpy as np
-
-    x = state(jax.block_until_ready(run(x)))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x = state(jax.block_until_ready(run(x)))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return _Donated(touch, jnp.ones((values,), jnp.float32))
 
 
 def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
@@ -1139,13 +1178,17 @@ def _format_sync_cost(costs: dict) -> list[str]:
                      f"for {c['floor_bytes'] / 1e6:.0f} MB; vanilla sync +{1e3 * c['vanilla_sync_extra_s']:.1f} ms "
                      f"= {c['vanilla_extra_over_floor']:.2f}x floor ({c['vanilla_extra_over_handwritten']:.2f}x the "
                      f"same sync written by hand, {1e3 * c['handwritten_sync_s']:.1f} ms = "
-                     f"{c['handwritten_over_floor']:.2f}x floor); streaming sync (stash + exchange) "
+                     f"{c['handwritten_over_floor']:.2f}x floor"
+                     + ("" if "minimal_sync_s" not in c else
+                        f"; without its two norms {1e3 * c['minimal_sync_s']:.1f} ms = {c['minimal_over_floor']:.2f}x floor")
+                     + "); streaming sync (stash + exchange) "
                      f"+{1e3 * c['streaming_sync_extra_s']:.1f} ms = {c['streaming_over_vanilla']:.2f} of vanilla's "
                      f"(1/P = {c['one_over_p']:.2f}); non-sync step +{1e3 * c['diloco_nonsync_extra_s']:.1f} / "
                      f"+{1e3 * c['streaming_nonsync_extra_s']:.1f} ms over plain ({1e3 * c['plain_s']:.0f} ms)"
                      + "".join(f"; {m} non-sync / plain {r['mean']:.4f} [{r['low']:.4f}, {r['high']:.4f}]"
                                for m in ("diloco", "streaming") if (r := c.get(f"{m}_nonsync_ratio"))))
-        lines.append(f"{name} streaming sync per fragment (stash + exchange and apply, ÷ vanilla's; share of Θ): " + ", ".join(
+        order = f"{c['fragment_order']} order; " if "fragment_order" in c else ""
+        lines.append(f"{name} streaming sync per fragment ({order}stash + exchange and apply, ÷ vanilla's; share of Θ): " + ", ".join(
             f"{p['fragment']}: {1e3 * p['stash_extra_s']:.1f} + {1e3 * p['exchange_apply_extra_s']:.1f} ms = "
             f"{p['over_vanilla']:.2f} ({p['param_fraction']:.2f})" for p in c["streaming_per_fragment"])
             + f"; mean over a cycle {1e3 * c['streaming_cycle_extra_s']:.1f} ms = "
