@@ -106,7 +106,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with every combination the sections cannot honour refused (exit 2, naming
+    the flag), before anything runs."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.trace and not args.nonsync:
@@ -116,6 +118,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--fragment-order: only with --sync-cost-only (every other section times the "
                      f"default order, {default_order!r})")
     _check_order(parser, args.fragment_order)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     from diloco_eqx import host_memory
 
     if not args.no_keep_host_memory and args.host_memory_worker != "default":

@@ -204,6 +204,24 @@ def test_bad_flags_are_refused_before_anything_runs(tmp_path, flags, message):
     assert run.returncode != 0 and message in run.stderr and not (tmp_path / "t").exists()
 
 
+def test_readme_benchmark_commands_are_accepted():
+    """Every `python -m tools.benchmark` command line of the README's code blocks passes the
+    flag checks as written (a renamed or refused flag would fail here, not in a user's run)."""
+    import shlex
+
+    from tools.benchmark import parse_args
+
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines()
+             if line.startswith("python -m tools.benchmark")]
+    assert len(lines) >= 10
+    for line in lines:
+        argv = shlex.split(line.split(" #")[0])[3:]
+        try:
+            parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"README command refused: {line}")
+
+
 @pytest.mark.slow
 def test_sync_cost_only_json_with_the_sequential_order(tmp_path):
     """`--sync-cost-only --fragment-order sequential` times Streaming on contiguous layer
