@@ -107,8 +107,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, with every combination the sections cannot honour refused (exit 2, naming
-    the flag), before anything runs."""
+    """The flags, with the combinations that need no backend to judge refused (exit 2,
+    naming the flag) before anything runs; sections refuse the rest as they start (e.g.
+    `--trace` without an accelerator)."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.trace and not args.nonsync:
@@ -378,73 +379,35 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     touch the model once, as one vanilla sync does, so it is that mean which 1/P of the
     vanilla sync's cost measures. The floor is one fused XLA pass that reads and writes, in
     place, as many bytes as the K islands, the outer model and its trace hold: the least a
-    vanilla sync can do is read them all and write them back. It, the deferred sync's own
-    floor and the vanilla sync written by hand (with and without its norms) are timed in
-    every repetition too, after its steps. Streaming's fragments follow `fragment_order`
-    (the config's default when None)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
+    vanilla sync can do is read them all and write them back. Each repetition first times
+    the references (the floor, the deferred sync's own floor, the vanilla sync written by
+    hand with and without its norms), then an untimed plain step, then the steps; the
+    ratios to the references are medians of each, and under "paired" the mean of each
+    repetition's ratio with its 95% interval. They hold 2K + 4 model-sized float32 buffers
+    and the deferred floor's besides the steps' states (1.1 GB at 30M, K = 2, P = 5).
+    Streaming's fragments follow `fragment_order` (the config's default when None)."""
     import numpy as np
-    import optax
 
     import diloco_eqx as dl
-    from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import count_params, loss_fn
+    from models.transformer import count_params
 
-    n, inner = count_params(model), optax.adamw(1e-3)
-    batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
+    n = count_params(model)
     vanilla = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
     streaming = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
                                 num_fragments=num_fragments, overlap_steps=1,
                                 **({} if fragment_order is None else {"fragment_order": fragment_order}))
-    plain_state, plain_step = make_plain_step(model, loss_fn, inner, k)
-    steps = {"plain": [plain_state, plain_step]}
-    for name, cfg in (("diloco", vanilla), ("streaming", streaming)):
-        steps[name] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
-    placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
-    schedule = dl.Schedule.from_config(streaming)
-    dh = schedule.steps_between_syncs
-    phases = [("plain", None), ("diloco", 5), ("diloco", sync_period), ("streaming", 5)]
-    times = {key: [] for key in [*phases, ("streaming", "sync"), ("streaming", "after")]}
-    island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
-    floor_bytes = (k * island_bytes + 2 * 4) * n  # K islands, outer model and trace (float32)
-    stream_bytes = _deferred_sync_bytes(n, k, island_bytes, num_fragments)
-    references = {"floor": _stream_floor(floor_bytes // 4), "stream_floor": _stream_floor(stream_bytes // 8),
-                  "by_hand": _handwritten_sync(model, k, vanilla),
-                  "minimal": _handwritten_sync(model, k, vanilla, norms=False)}
-    ref_times = {name: [] for name in references}
-    synced = []  # the fragment each timed repetition's Streaming sync was of
-    reps = -(-reps // num_fragments) * num_fragments  # every fragment equally often
-    for rep in range(reps + 2):
-        j = 1 + rep % num_fragments  # cycle through every fragment's sync
-        if rep >= 2:
-            synced.append(int(schedule.fragment_at(dh * j)))
-        for mode, t in [*phases, ("streaming", "sync"), ("streaming", "after")]:
-            state, step = steps[mode]
-            if t is not None:
-                t_end = dh * j if t == "sync" else dh * j + 1 if t == "after" else t
-                if t != "after":  # "after" is the step that follows the stash, as in a run
-                    state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(t_end - 1, jnp.int32)))
-            t0 = time.perf_counter()
-            state, _ = step.step_placed(state, placed[mode])
-            jax.block_until_ready(state)
-            if rep >= 2:
-                times[(mode, t)].append(time.perf_counter() - t0)
-            steps[mode][0] = state
-        for name, reference in references.items():
-            seconds = reference()
-            if rep >= 2:
-                ref_times[name].append(seconds)
-    del references  # their buffers
-    floor, stream_floor, by_hand, minimal = (float(np.median(ref_times[r]))
+    floor_bytes, stream_bytes, references = _sync_cost_references(model, k, vanilla, num_fragments)
+    times, synced, reps = _sync_cost_times(model, k, vanilla, streaming, references, reps)
+    del references
+    floor, stream_floor, by_hand, minimal = (float(np.median(times[r]))
                                              for r in ("floor", "stream_floor", "by_hand", "minimal"))
     diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
 
-    def ratio(a, b):  # the mean paired ratio with its 95% t-interval
-        ci = _paired_interval(times[a], times[b])
+    def ratio(a, b):  # the mean paired ratio of two timed lists with its 95% t-interval
+        ci = _paired_interval(a if isinstance(a, np.ndarray) else times[a], times[b])
         return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"]}
 
+    sync_reps = np.subtract(times[("diloco", sync_period)], times[("diloco", 5)])  # each repetition's
     vanilla_extra = diff(("diloco", sync_period), ("diloco", 5))
     stash_extra = diff(("streaming", "sync"), ("streaming", 5))
     exchange_extra = diff(("streaming", "after"), ("streaming", 5))
@@ -468,7 +431,82 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
             "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
             "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)),
             **{f"{mode}_nonsync_ratio": ratio((mode, 5), ("plain", None)) for mode in ("diloco", "streaming")},
+            "paired": {"vanilla_extra_over_floor": ratio(sync_reps, "floor"),
+                       "handwritten_over_floor": ratio("by_hand", "floor"),
+                       "minimal_over_floor": ratio("minimal", "floor"),
+                       "vanilla_extra_over_handwritten": ratio(sync_reps, "by_hand")},
             "fragment_order": streaming.fragment_order, "reps": reps}
+
+
+def _sync_cost_references(model, k: int, vanilla, num_fragments: int) -> tuple[int, int, dict]:
+    """(bytes a vanilla sync must read, those a deferred Streaming sync must read on average,
+    {name: (timer, its run)} for the floors of both and the hand-written syncs)."""
+    import equinox as eqx
+    import jax
+
+    from models.transformer import count_params
+
+    n = count_params(model)
+    island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
+    floor_bytes = (k * island_bytes + 2 * 4) * n  # K islands, outer model and trace (float32)
+    stream_bytes = _deferred_sync_bytes(n, k, island_bytes, num_fragments)
+    hand = _handwritten_syncs(model, k, vanilla)
+    return floor_bytes, stream_bytes, {"floor": (_stream_floor(floor_bytes // 4), "floor"),
+                                       "stream_floor": (_stream_floor(stream_bytes // 8), "floor"),
+                                       **{name: (hand, name) for name in hand.runs}}
+
+
+def _sync_cost_times(model, k: int, vanilla, streaming, references: dict, reps: int) -> tuple[dict, list[int], int]:
+    """(seconds of every phase and reference in each timed repetition, the fragment each
+    repetition's Streaming sync was of, the repetitions timed: `reps` rounded up to a
+    multiple of P so every fragment's sync is timed equally often). Two repetitions before
+    them warm up."""
+    import numpy as np
+    import optax
+
+    import diloco_eqx as dl
+    from diloco_eqx.analysis.plain import make_plain_step
+    from models.transformer import loss_fn
+
+    inner = optax.adamw(1e-3)
+    batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
+    steps = {"plain": list(make_plain_step(model, loss_fn, inner, k))}
+    for name, cfg in (("diloco", vanilla), ("streaming", streaming)):
+        steps[name] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
+    placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
+    schedule, h, p = dl.Schedule.from_config(streaming), vanilla.sync_period, streaming.num_fragments
+    dh = schedule.steps_between_syncs
+    phases = [("plain", None), ("diloco", 5), ("diloco", h), ("streaming", 5), ("streaming", "sync"),
+              ("streaming", "after")]
+    times, synced = {key: [] for key in [*phases, *references]}, []
+    reps = -(-reps // p) * p
+    for rep in range(reps + 2):
+        j = 1 + rep % p  # cycle through every fragment's sync
+        for name, (timer, run) in references.items():
+            times[name].append(timer(run))
+        _time_step(steps["plain"], placed["plain"])  # untimed: the references' passes are behind it
+        for mode, t in phases:  # "after" is the step that follows the stash, as in a run
+            t_end = {None: None, "sync": dh * j, "after": None}.get(t, t)
+            times[(mode, t)].append(_time_step(steps[mode], placed[mode], t_end))
+        synced.append(int(schedule.fragment_at(dh * j)))
+    return {key: ts[2:] for key, ts in times.items()}, synced[2:], reps
+
+
+def _time_step(state_and_step: list, placed, t_end: int | None = None) -> float:
+    """Seconds of one step from `state_and_step` ([state, step], updated in place); with
+    `t_end`, the step that ends at t_end (the state's counter set first, untimed)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    state, step = state_and_step
+    if t_end is not None:
+        state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(t_end - 1, jnp.int32)))
+    t0 = time.perf_counter()
+    state, _ = step.step_placed(state, placed)
+    jax.block_until_ready(state)
+    state_and_step[0] = state
+    return time.perf_counter() - t0
 
 
 def _deferred_sync_bytes(n: int, k: int, island_bytes: int, num_fragments: int) -> int:
@@ -497,14 +535,20 @@ def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg
     to its size has the two equal)."""
     import numpy as np
 
-    counts = _fragment_params(model, cfg)
+    import equinox as eqx
+
+    import diloco_eqx as dl
+
+    fragments = dl.Fragmentation.from_model(model, cfg)
+    counts = fragments.param_counts(eqx.filter(model, eqx.is_inexact_array))
     base = np.asarray(times[("streaming", 5)])
     out = []
     for f in range(num_fragments):
         mine = np.asarray(synced) == f
         stash = float(np.median(np.asarray(times[("streaming", "sync")])[mine] - base[mine]))
         exchange = float(np.median(np.asarray(times[("streaming", "after")])[mine] - base[mine]))
-        out.append({"fragment": f, "param_fraction": counts[f] / sum(counts), "reps": int(mine.sum()),
+        out.append({"fragment": f, "layers": list(fragments.layer_indices(f)) if f else [],
+                    "param_fraction": counts[f] / sum(counts), "reps": int(mine.sum()),
                     "stash_extra_s": stash, "exchange_apply_extra_s": exchange,
                     "over_vanilla": (stash + exchange) / vanilla_extra})
     return out
@@ -986,33 +1030,35 @@ def format_orders(orders: dict) -> str:
     return "\n".join(lines)
 
 
-class _Donated:
-    """A jitted function called on its own output (its argument donated): each call times one
-    run, so the references a sync is compared with are timed in the same repetitions as the
-    steps, not once on their own (the floor's own rate moved by 1.6x between runs)."""
+class _InPlaceTimer:
+    """Jitted functions each called on the carry the last call left (donated, so updated in
+    place): each call times one run. The references a sync is compared with are timed this
+    way inside the repetitions of the steps, not once on their own."""
 
-    def __init__(self, run, x, state=lambda out: out):
+    def __init__(self, runs: dict, carry, keep=lambda out: out):
         import jax
 
-        self.run, self.state = run, state
-        self.x = state(jax.block_until_ready(run(x)))  # compiled and warm
+        self.runs, self.keep = runs, keep
+        self.carry = carry
+        for name in runs:  # compiled and warm
+            self.carry = keep(jax.block_until_ready(runs[name](self.carry)))
 
-    def __call__(self) -> float:
+    def __call__(self, name: str) -> float:
         import jax
 
         t0 = time.perf_counter()
-        self.x = self.state(jax.block_until_ready(self.run(self.x)))
+        self.carry = self.keep(jax.block_until_ready(self.runs[name](self.carry)))
         return time.perf_counter() - t0
 
 
-def _handwritten_sync(model, k: int, cfg, norms: bool = True) -> _Donated:
+def _handwritten_syncs(model, k: int, cfg) -> _InPlaceTimer:
     """A vanilla sync's arithmetic written by hand as one jitted function on donated arrays
     (every island finite and contributing): the mean of the K pseudo-gradients as a chain of
     adds, the outer Nesterov step, the two diagnostic norms and the new outer model written
-    into every island. What XLA makes of the sync without the step's schedule, masks and
-    fault handling: the step's own sync is compared with it. Without `norms`, the least
-    arithmetic a sync is: what the backend can do against the floor, whatever the step does
-    (XLA:CPU writes each output of a leaf in a pass of its own, where the floor is one)."""
+    into every island ("by_hand"). What XLA makes of the sync without the step's schedule,
+    masks and fault handling: the step's own sync is compared with it. Without the norms
+    ("minimal"), the least arithmetic a sync is: what the backend can do against the floor,
+    whatever the step does. Both run on one carry (K + 2 model-sized float32 buffers)."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -1021,27 +1067,29 @@ def _handwritten_sync(model, k: int, cfg, norms: bool = True) -> _Donated:
     tx = optax.sgd(cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
     outer = jax.tree.map(jnp.asarray, eqx.filter(model, eqx.is_inexact_array))
 
-    def sync(islands, outer, opt):
+    def sync(islands, outer, opt, norms: bool):
         mean = jax.tree.map(lambda o, i: o - sum(i[j] for j in range(k)) / k, outer, islands)
         update, opt = tx.update(mean, opt, outer)
         new = optax.apply_updates(outer, update)
         islands = jax.tree.map(lambda o, i: jnp.broadcast_to(o, i.shape).astype(i.dtype), new, islands)
         if not norms:
             return islands, new, opt
-        return islands, new, opt, optax.tree.norm(mean), optax.tree.norm(update)
+        return islands, new, opt, optax.tree.norm(mean), optax.tree.norm(update)  # outputs: computed
 
-    run = jax.jit(lambda args: sync(*args), donate_argnums=0)  # the norms are outputs: computed
+    runs = {name: jax.jit(lambda args, norms=norms: sync(*args, norms), donate_argnums=0)
+            for name, norms in (("by_hand", True), ("minimal", False))}
     islands = jax.tree.map(lambda x: jnp.stack([x] * k), outer)
-    return _Donated(run, (islands, jax.tree.map(lambda x: x + 0, outer), tx.init(outer)), state=lambda out: out[:3])
+    return _InPlaceTimer(runs, (islands, jax.tree.map(lambda x: x + 0, outer), tx.init(outer)), keep=lambda out: out[:3])
 
 
-def _stream_floor(values: int) -> _Donated:
-    """One fused, in-place pass that reads and writes `values` float32 values."""
+def _stream_floor(values: int) -> _InPlaceTimer:
+    """One fused, in-place pass that reads and writes `values` float32 values ("floor"). A
+    buffer of its own: over the front of a larger one, XLA:CPU would write on one thread."""
     import jax
     import jax.numpy as jnp
 
     touch = jax.jit(lambda x: x * 1.0000001 + 1e-9, donate_argnums=0)
-    return _Donated(touch, jnp.ones((values,), jnp.float32))
+    return _InPlaceTimer({"floor": touch}, jnp.ones((values,), jnp.float32))
 
 
 def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
@@ -1188,6 +1236,9 @@ def _format_sync_cost(costs: dict) -> list[str]:
                      f"{c['handwritten_over_floor']:.2f}x floor"
                      + ("" if "minimal_sync_s" not in c else
                         f"; without its two norms {1e3 * c['minimal_sync_s']:.1f} ms = {c['minimal_over_floor']:.2f}x floor")
+                     + ("" if "paired" not in c else
+                        "; paired, mean [95%]: " + ", ".join(f"{name} {r['mean']:.2f} [{r['low']:.2f}, {r['high']:.2f}]"
+                                                             for name, r in c["paired"].items()))
                      + "); streaming sync (stash + exchange) "
                      f"+{1e3 * c['streaming_sync_extra_s']:.1f} ms = {c['streaming_over_vanilla']:.2f} of vanilla's "
                      f"(1/P = {c['one_over_p']:.2f}); non-sync step +{1e3 * c['diloco_nonsync_extra_s']:.1f} / "
