@@ -108,13 +108,34 @@ def wandb_records(path: Path):
             pending = b""
 
 
+def finished_records(path: Path, wait_s: float = 60.0) -> list:
+    """The records of a session's .wandb file once its last is the exit record: W&B buffers
+    the file and may write its end after `finish()` returns (seen on a loaded CI machine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        late = time.monotonic() > deadline
+        try:
+            records = list(wandb_records(path))
+        except Exception:  # a file caught mid-write; past the wait, its error is the answer
+            if late:
+                raise
+            records = []
+        if records and records[-1].HasField("exit"):
+            return records
+        if late:
+            siblings = sorted(p.name for p in path.parent.parent.iterdir())
+            raise AssertionError(f"{path} has no exit record after {wait_s:.0f} s: "
+                                 f"{[r.WhichOneof('record_type') for r in records]}; sessions: {siblings}")
+        time.sleep(0.1)
+
+
 def wandb_run(out: Path, run_id: str = "*") -> tuple[dict[int, dict[str, float]], dict, set[str]]:
     """({step: {key: value}}, config, run ids) over every session's .wandb file in
     OUT/wandb (of one run id if given); fails if a step appears in two sessions."""
     history, config, ids = {}, {}, set()
     for path in sorted((out / "wandb").glob(f"offline-run-*/run-{run_id}.wandb")):
         seen = {}
-        for r in wandb_records(path):
+        for r in finished_records(path):
             if r.HasField("run"):
                 ids.add(r.run.run_id)
                 config |= {u.key: json.loads(u.value_json) for u in r.run.config.update if u.key != "_wandb"}
