@@ -367,7 +367,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
 
 
 def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
-              fragment_order: str | None = None) -> dict:
+              fragment_order: str | None = None, compare_order: str | None = None) -> dict:
     """What a sync adds to a step, against the floor of the bytes it must touch (no mesh).
 
     The batch is 2 sequences of 8 tokens, so the inner step is short and the differences are
@@ -385,7 +385,9 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     ratios to the references are medians of each, and under "paired" the mean of each
     repetition's ratio with its 95% interval. They hold 2K + 4 model-sized float32 buffers
     and the deferred floor's besides the steps' states (1.1 GB at 30M, K = 2, P = 5).
-    Streaming's fragments follow `fragment_order` (the config's default when None)."""
+    Streaming's fragments follow `fragment_order` (the config's default when None); with
+    `compare_order`, Streaming on that order is timed in the same repetitions too, and its
+    syncs compared with the first order's, paired (`compared_order`)."""
     import numpy as np
 
     import diloco_eqx as dl
@@ -396,8 +398,11 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     streaming = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
                                 num_fragments=num_fragments, overlap_steps=1,
                                 **({} if fragment_order is None else {"fragment_order": fragment_order}))
+    streamings = {"streaming": streaming}
+    if compare_order is not None:
+        streamings["compared"] = dataclasses.replace(streaming, fragment_order=compare_order)
     floor_bytes, stream_bytes, references = _sync_cost_references(model, k, vanilla, num_fragments)
-    times, synced, reps = _sync_cost_times(model, k, vanilla, streaming, references, reps)
+    times, synced, reps = _sync_cost_times(model, k, vanilla, streamings, references, reps)
     del references
     floor, stream_floor, by_hand, minimal = (float(np.median(times[r]))
                                              for r in ("floor", "stream_floor", "by_hand", "minimal"))
@@ -414,7 +419,9 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     streaming_extra = stash_extra + exchange_extra
     per_fragment = _per_fragment(times, synced, num_fragments, model, streaming, vanilla_extra)
     cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per_fragment) / num_fragments
-    return {"streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
+    compared = {} if compare_order is None else {"compared_order": _compared_order(
+        times, synced, model, streamings["compared"], vanilla_extra)}
+    return {**compared,"streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
             "streaming_floor_bytes": stream_bytes, "streaming_floor_s": stream_floor,
             "streaming_cycle_over_floor": cycle / stream_floor,
@@ -456,7 +463,7 @@ def _sync_cost_references(model, k: int, vanilla, num_fragments: int) -> tuple[i
                                        **{name: (hand, name) for name in hand.runs}}
 
 
-def _sync_cost_times(model, k: int, vanilla, streaming, references: dict, reps: int) -> tuple[dict, list[int], int]:
+def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict, reps: int) -> tuple[dict, list[int], int]:
     """(seconds of every phase and reference in each timed repetition, the fragment each
     repetition's Streaming sync was of, the repetitions timed: `reps` rounded up to a
     multiple of P so every fragment's sync is timed equally often). Two repetitions before
@@ -471,13 +478,14 @@ def _sync_cost_times(model, k: int, vanilla, streaming, references: dict, reps: 
     inner = optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
     steps = {"plain": list(make_plain_step(model, loss_fn, inner, k))}
-    for name, cfg in (("diloco", vanilla), ("streaming", streaming)):
+    for name, cfg in (("diloco", vanilla), *streamings.items()):
         steps[name] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
     placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
-    schedule, h, p = dl.Schedule.from_config(streaming), vanilla.sync_period, streaming.num_fragments
+    first = next(iter(streamings.values()))  # the orders share the schedule
+    schedule, h, p = dl.Schedule.from_config(first), vanilla.sync_period, first.num_fragments
     dh = schedule.steps_between_syncs
-    phases = [("plain", None), ("diloco", 5), ("diloco", h), ("streaming", 5), ("streaming", "sync"),
-              ("streaming", "after")]
+    phases = [("plain", None), ("diloco", 5), ("diloco", h),
+              *[(mode, t) for mode in streamings for t in (5, "sync", "after")]]
     times, synced = {key: [] for key in [*phases, *references]}, []
     reps = -(-reps // p) * p
     for rep in range(reps + 2):
@@ -528,7 +536,34 @@ def _live_extra(memory: dict, config: str, mode: str) -> int | None:
     return None if live is None or plain is None else live - plain
 
 
-def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg, vanilla_extra: float) -> list[dict]:
+def _compared_order(times: dict, synced: list[int], model, cfg, vanilla_extra: float) -> dict:
+    """The Streaming syncs on `cfg`'s order (timed as mode "compared") against the first
+    order's, in the same repetitions: per fragment and over a cycle as for the first, and
+    the mean over the layer fragments' repetitions of the difference of the two syncs'
+    extras (first minus compared, seconds; stash plus exchange and apply, each over its own
+    mode's no-event step) with its 95% interval and what it says of "the compared order
+    costs less"."""
+    import numpy as np
+
+    from experiments.stats import interval
+
+    def extra(mode):
+        return (np.asarray(times[(mode, "sync")]) + np.asarray(times[(mode, "after")])
+                - 2 * np.asarray(times[(mode, 5)]))
+
+    per = _per_fragment(times, synced, cfg.num_fragments, model, cfg, vanilla_extra, mode="compared")
+    cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per) / cfg.num_fragments
+    layers = np.asarray(synced) != 0
+    d = interval(list((extra("streaming") - extra("compared"))[layers]))
+    verdict = "holding" if d["lo"] > 0 else "contradicted" if d["hi"] < 0 else "unresolved"
+    return {"fragment_order": cfg.fragment_order, "streaming_per_fragment": per, "streaming_cycle_extra_s": cycle,
+            "streaming_cycle_over_vanilla": cycle / vanilla_extra,
+            "layer_sync_difference_s": {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "n": d["n"]},
+            "compared_is_cheaper": verdict}
+
+
+def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg, vanilla_extra: float,
+                  mode: str = "streaming") -> list[dict]:
     """Each fragment's Streaming sync (stash, then exchange and apply) over the non-sync step
     of the same repetition: medians over that fragment's repetitions, its share of the
     parameters, and its extra over the vanilla sync's (a fragment that costs in proportion
@@ -541,12 +576,12 @@ def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg
 
     fragments = dl.Fragmentation.from_model(model, cfg)
     counts = fragments.param_counts(eqx.filter(model, eqx.is_inexact_array))
-    base = np.asarray(times[("streaming", 5)])
+    base = np.asarray(times[(mode, 5)])
     out = []
     for f in range(num_fragments):
         mine = np.asarray(synced) == f
-        stash = float(np.median(np.asarray(times[("streaming", "sync")])[mine] - base[mine]))
-        exchange = float(np.median(np.asarray(times[("streaming", "after")])[mine] - base[mine]))
+        stash = float(np.median(np.asarray(times[(mode, "sync")])[mine] - base[mine]))
+        exchange = float(np.median(np.asarray(times[(mode, "after")])[mine] - base[mine]))
         out.append({"fragment": f, "layers": list(fragments.layer_indices(f)) if f else [],
                     "param_fraction": counts[f] / sum(counts), "reps": int(mine.sum()),
                     "stash_extra_s": stash, "exchange_apply_extra_s": exchange,

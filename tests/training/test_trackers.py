@@ -110,7 +110,8 @@ def wandb_records(path: Path):
 
 def finished_records(path: Path, wait_s: float = 60.0) -> list:
     """The records of a session's .wandb file once its last is the exit record: W&B buffers
-    the file and may write its end after `finish()` returns (seen on a loaded CI machine)."""
+    the file (flushing every 15 s and at the end), and a loaded CI machine once read a resumed
+    session's file without its rows; if the end never comes, the error names what was there."""
     deadline = time.monotonic() + wait_s
     while True:
         late = time.monotonic() > deadline
