@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per phase")
     add_flags(parser, DiLoCoConfig(sync_period=100, streaming=True, num_fragments=5),
               only=("sync_period", "num_fragments", "fragment_order"))
+    parser.add_argument("--compare-order", default=None, metavar="NAME",
+                        help="with --sync-cost-only: also time Streaming on this fragment order in the same "
+                             "repetitions and compare its syncs with --fragment-order's, paired")
     parser.add_argument("--meshes", nargs="+", choices=list(MESHES), default=None,
                         help="none: islands vmapped on one device; DxN<axis>: D islands of N "
                              "devices along the data and/or fsdp axes (2x1: one device each)")
@@ -119,6 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--fragment-order: only with --sync-cost-only (every other section times the "
                      f"default order, {default_order!r})")
     _check_order(parser, args.fragment_order)
+    if args.compare_order is not None:
+        if not args.sync_cost_only:
+            parser.error("--compare-order: only with --sync-cost-only (it adds a mode to that section's steps)")
+        if args.compare_order == args.fragment_order:
+            parser.error(f"--compare-order: {args.compare_order!r} is --fragment-order's own; name another order")
+        _check_order(parser, args.compare_order, "--compare-order")
     return args
 
 
@@ -150,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_cpu_orders(sizes, reps, args.sync_period, args.num_fragments)
         print(format_orders(result["cpu_orders"]))
     elif args.sync_cost_only:
-        result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments, args.dtype, args.fragment_order)
+        result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments, args.dtype, args.fragment_order,
+                               args.compare_order)
         print("\n".join(_format_sync_cost(result["sync_cost"])))
     else:
         result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
@@ -421,7 +431,7 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per_fragment) / num_fragments
     compared = {} if compare_order is None else {"compared_order": _compared_order(
         times, synced, model, streamings["compared"], vanilla_extra)}
-    return {**compared,"streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
+    return {**compared, "streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
             "streaming_floor_bytes": stream_bytes, "streaming_floor_s": stream_floor,
             "streaming_cycle_over_floor": cycle / stream_floor,
@@ -467,7 +477,7 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
     """(seconds of every phase and reference in each timed repetition, the fragment each
     repetition's Streaming sync was of, the repetitions timed: `reps` rounded up to a
     multiple of P so every fragment's sync is timed equally often). Two repetitions before
-    them warm up."""
+    them warm up. With two Streaming modes (two fragment orders), they take turns going first."""
     import numpy as np
     import optax
 
@@ -484,16 +494,18 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
     first = next(iter(streamings.values()))  # the orders share the schedule
     schedule, h, p = dl.Schedule.from_config(first), vanilla.sync_period, first.num_fragments
     dh = schedule.steps_between_syncs
-    phases = [("plain", None), ("diloco", 5), ("diloco", h),
-              *[(mode, t) for mode in streamings for t in (5, "sync", "after")]]
-    times, synced = {key: [] for key in [*phases, *references]}, []
+    def phases(rep):  # two Streaming modes take turns going first
+        modes = list(streamings)[::-1 if rep % 2 else 1]
+        return [("plain", None), ("diloco", 5), ("diloco", h), *[(m, t) for m in modes for t in (5, "sync", "after")]]
+
+    times, synced = {key: [] for key in [*phases(0), *references]}, []
     reps = -(-reps // p) * p
     for rep in range(reps + 2):
         j = 1 + rep % p  # cycle through every fragment's sync
         for name, (timer, run) in references.items():
             times[name].append(timer(run))
         _time_step(steps["plain"], placed["plain"])  # untimed: the references' passes are behind it
-        for mode, t in phases:  # "after" is the step that follows the stash, as in a run
+        for mode, t in phases(rep):  # "after" is the step that follows the stash, as in a run
             t_end = {None: None, "sync": dh * j, "after": None}.get(t, t)
             times[(mode, t)].append(_time_step(steps[mode], placed[mode], t_end))
         synced.append(int(schedule.fragment_at(dh * j)))
@@ -867,20 +879,20 @@ def format_exchange_placement(result: dict) -> str:
 
 
 def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32",
-                  fragment_order: str | None = None) -> dict:
-    costs = {size.name: sync_cost(_model(size, dtype), 2, sync_period, num_fragments, reps, fragment_order)
-             for size in sizes}
+                  fragment_order: str | None = None, compare_order: str | None = None) -> dict:
+    costs = {size.name: sync_cost(_model(size, dtype), 2, sync_period, num_fragments, reps, fragment_order,
+                                  compare_order) for size in sizes}
     return {"sync_cost": costs, **_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
 
 
-def _check_order(parser: argparse.ArgumentParser, name: str) -> None:
+def _check_order(parser: argparse.ArgumentParser, name: str, flag: str = "--fragment-order") -> None:
     """Refuse a fragment order that is not registered, before anything runs."""
     from diloco_eqx.orders import resolve_order
 
     try:
         resolve_order(name)
     except (KeyError, ValueError) as e:
-        parser.error(f"--fragment-order: {e}")
+        parser.error(f"{flag}: {e}")
 
 
 HOST_MEMORY = ("keep", "default")
@@ -1290,6 +1302,17 @@ def _format_sync_cost(costs: dict) -> list[str]:
                f"; its own floor {1e3 * c['streaming_floor_s']:.1f} ms for {c['streaming_floor_bytes'] / 1e6:.0f} MB "
                f"({c['streaming_floor_over_vanilla_floor']:.2f} of vanilla's bytes): cycle = "
                f"{c['streaming_cycle_over_floor']:.2f}x its floor"))
+        if (o := c.get("compared_order")) is not None:
+            d = o["layer_sync_difference_s"]
+            lines.append(
+                f"{name} streaming sync per fragment, {o['fragment_order']} order in the same repetitions: " + ", ".join(
+                    f"{p['fragment']}: {1e3 * p['stash_extra_s']:.1f} + {1e3 * p['exchange_apply_extra_s']:.1f} ms = "
+                    f"{p['over_vanilla']:.2f} ({p['param_fraction']:.2f})" for p in o["streaming_per_fragment"])
+                + f"; mean over a cycle {1e3 * o['streaming_cycle_extra_s']:.1f} ms = "
+                  f"{o['streaming_cycle_over_vanilla']:.2f} of vanilla's; a layer fragment's sync, "
+                  f"{c['fragment_order']} minus {o['fragment_order']}: {1e3 * d['mean']:+.2f} ms "
+                  f"[{1e3 * d['low']:+.2f}, {1e3 * d['high']:+.2f}] over {d['n']} reps "
+                  f"({o['fragment_order']} cheaper: {o['compared_is_cheaper']})")
     return lines
 
 

@@ -201,11 +201,17 @@ def test_committed_gpu_h200_nonsync_json():
     (["--nonsync", "--fragment-order", "sequential", "--json", "t"], "--fragment-order: only with --sync-cost-only"),
     (["--sync-cost-only", "--fragment-order", "reversed", "--json", "t"],
      "--fragment-order: fragment_order must be one of ('interleaved', 'sequential')"),
+    (["--compare-order", "sequential", "--json", "t"], "--compare-order: only with --sync-cost-only"),
+    (["--sync-cost-only", "--compare-order", "interleaved", "--json", "t"],
+     "--compare-order: 'interleaved' is --fragment-order's own"),
+    (["--sync-cost-only", "--compare-order", "reversed", "--json", "t"],
+     "--compare-order: fragment_order must be one of ('interleaved', 'sequential')"),
 ])
 def test_bad_flags_are_refused_before_anything_runs(tmp_path, flags, message):
     """Before any model is built or file written: --trace without --nonsync, or on CPU (the
     subprocess is held to CPU, so the test says the same on a machine with an accelerator);
-    a fragment order for a section that times only the default, or one not registered."""
+    a fragment order for a section that times only the default, or one not registered; an
+    order to compare outside the sync-cost section, or the same order twice."""
     run = subprocess.run([sys.executable, "-m", "tools.benchmark", *flags, "--sizes", "1M"], cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
                          capture_output=True, text=True, timeout=120)
@@ -233,18 +239,31 @@ def test_readme_benchmark_commands_are_accepted():
 @pytest.mark.slow
 def test_sync_cost_only_json_with_the_sequential_order(tmp_path):
     """`--sync-cost-only --fragment-order sequential` times Streaming on contiguous layer
-    groups: with P = 3 the 1M model's 4 layers go to fragments 1 and 2 as {0, 1} and {2, 3}
-    (interleaved would give {0, 2} and {1, 3})."""
+    groups: with P = 3 the 1M model's 4 layers go to fragments 1 and 2 as {0, 1} and {2, 3};
+    `--compare-order interleaved` times {0, 2} and {1, 3} in the same repetitions, paired
+    over the 4 repetitions that synced a layer fragment, with the verdict its interval gives."""
+    import numpy as np
+
     from tools.benchmark import _format_sync_cost
 
     result = benchmark_json(tmp_path, "--sync-cost-only", "--sizes", "1M", "--reps", "6",
-                            "--fragment-order", "sequential", "--num-fragments", "3")
+                            "--fragment-order", "sequential", "--num-fragments", "3",
+                            "--compare-order", "interleaved")
     cost = result["sync_cost"]["1M"]
     assert cost["fragment_order"] == "sequential"
     per = cost["streaming_per_fragment"]
     assert [p["layers"] for p in per] == [[], [0, 1], [2, 3]] and [p["reps"] for p in per] == [2, 2, 2]
     assert per[1]["param_fraction"] == pytest.approx(per[2]["param_fraction"])
-    assert "sequential order; stash" in "\n".join(_format_sync_cost(result["sync_cost"]))
+    compared = cost["compared_order"]
+    assert compared["fragment_order"] == "interleaved"
+    assert [p["layers"] for p in compared["streaming_per_fragment"]] == [[], [0, 2], [1, 3]]
+    d = compared["layer_sync_difference_s"]
+    assert d["n"] == 4 and d["low"] < d["mean"] < d["high"]
+    assert compared["compared_is_cheaper"] == ("holding" if d["low"] > 0 else "contradicted" if d["high"] < 0
+                                               else "unresolved")
+    text = "\n".join(_format_sync_cost(result["sync_cost"]))
+    assert "sequential order; stash" in text and "interleaved order in the same repetitions" in text
+    assert np.isfinite(compared["streaming_cycle_over_vanilla"])
 
 
 @pytest.mark.slow
