@@ -191,12 +191,18 @@ def test_binary_files_are_skipped_and_counted(tmp_path):
 # ------------------------------------------------------------- the token cache and token files
 
 
+def _cached(cache):
+    """The token cache's entries; none before a corpus first writes there (this test may run
+    first on its worker, or alone)."""
+    return set((cache / "tokens").iterdir()) if (cache / "tokens").exists() else set()
+
+
 def test_text_corpora_are_tokenized_once_into_the_cache_and_memory_mapped(tmp_path, token_cache):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     (tmp_path / "b.txt").write_text("good bye ✓\n" * 40)
-    before = set((token_cache / "tokens").iterdir())
+    before = _cached(token_cache)
     corpus = data.Corpus.from_files([str(tmp_path / "*.txt")])
-    written = set((token_cache / "tokens").iterdir()) - before
+    written = _cached(token_cache) - before
     assert sorted(p.suffix for p in written) == [".bin", ".json"] and not list(tmp_path.glob("*.tmp"))
     assert isinstance(corpus.tokens, np.memmap) and corpus.tokens.dtype == np.uint8
     expected = np.frombuffer((tmp_path / "a.txt").read_bytes() + (tmp_path / "b.txt").read_bytes(), np.uint8)
@@ -204,7 +210,7 @@ def test_text_corpora_are_tokenized_once_into_the_cache_and_memory_mapped(tmp_pa
     assert corpus.offsets.tolist() == [0, 600, 600 + len("good bye ✓\n".encode()) * 40]
     again = data.Corpus.from_files([str(tmp_path / "*.txt")])
     assert again.metadata["token_file"] == corpus.metadata["token_file"]  # reused, not rewritten
-    assert set((token_cache / "tokens").iterdir()) - before == written
+    assert _cached(token_cache) - before == written
     (tmp_path / "b.txt").write_text("changed\n" * 40)  # new size and mtime: a new entry
     changed = data.Corpus.from_files([str(tmp_path / "*.txt")])
     assert changed.metadata["token_file"] != corpus.metadata["token_file"]
