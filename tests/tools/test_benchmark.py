@@ -166,6 +166,33 @@ def test_committed_cpu_sync_cost_json():
                 assert [p["layers"] for p in cost["streaming_per_fragment"]] == groups[(order, size)]
 
 
+def test_committed_cpu_sync_cost_orders_json():
+    """benchmarks/cpu_sync_cost_orders.json as committed: both fragment orders timed in the
+    same 100 repetitions, taking turns going first. Each order's fragments are its layer
+    groups, the cycle is the mean of the per-fragment syncs, and the verdict on the sequential
+    order follows the paired interval of a layer fragment's difference: holding at 30M (the
+    whole interval above zero), unresolved at 10M (it straddles zero)."""
+    result = json.loads((ROOT / "benchmarks" / "cpu_sync_cost_orders.json").read_text())
+    assert result["settings"]["reps"] == 100 and set(result["sync_cost"]) == {"10M", "30M"}
+    groups = {"10M": ([[], [0, 4], [1, 5], [2, 6], [3, 7]], [[], [0, 1], [2, 3], [4, 5], [6, 7]]),
+              "30M": ([[], [0, 4, 8], [1, 5, 9], [2, 6, 10], [3, 7, 11]],
+                      [[], [0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]])}
+    for size, cost in result["sync_cost"].items():
+        compared = cost["compared_order"]
+        assert cost["fragment_order"] == "interleaved" and compared["fragment_order"] == "sequential"
+        interleaved, sequential = groups[size]
+        assert [p["layers"] for p in cost["streaming_per_fragment"]] == interleaved
+        assert [p["layers"] for p in compared["streaming_per_fragment"]] == sequential
+        for entry in (cost, compared):
+            per = entry["streaming_per_fragment"]
+            cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per) / len(per)
+            assert entry["streaming_cycle_extra_s"] == pytest.approx(cycle, rel=1e-9)
+        diff = compared["layer_sync_difference_s"]
+        assert diff["n"] == 4 * 20 and diff["low"] < diff["mean"] < diff["high"]
+        verdict = "holding" if diff["low"] > 0 else "contradicted" if diff["high"] < 0 else "unresolved"
+        assert compared["compared_is_cheaper"] == verdict == {"10M": "unresolved", "30M": "holding"}[size]
+
+
 def test_committed_gpu_h200_nonsync_json():
     """benchmarks/gpu_h200_nonsync*.json as committed (one H200, the 100M model in bfloat16,
     full batch): DiLoCo's step without an event within 1% of plain's, whole interval, before
