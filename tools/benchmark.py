@@ -27,7 +27,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 
 DEVICES = 8
 MESHES = {  # name -> make_mesh sizes
@@ -175,205 +174,268 @@ def main(argv: list[str] | None = None) -> dict:
 
 def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, backends=("shard_map",),
         dtype="float32", with_sync_cost=True) -> dict:
-    import equinox as eqx
+    """The step table: for every size and mesh, each mode's phases and amortized step timed
+    side by side, its compile count, memory and FLOPs; then each size's sync cost and, for the
+    first size and mesh, every mode's extra memory against its formula."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
-    import diloco_eqx as dl
-    from diloco_eqx import mesh as islands
-    from diloco_eqx.analysis import profiling
-    from diloco_eqx.analysis.plain import make_plain_step
-    from diloco_eqx.ddp import init_ddp_state, make_ddp_step
-    from models.transformer import count_params, loss_fn
-
-    K = 2
-    inner = optax.adamw(1e-3)
+    k, inner = 2, optax.adamw(1e-3)
     rows, memory, compilations, checks = [], {}, {}, {}
     matmul_flops = _matmul_flops(jax, jnp, dtype=jnp.dtype(dtype))
-
-    def make_model(size):
-        return _model(size, dtype)
-
     for size in sizes:
-        model = make_model(size)
-        n_params = count_params(model)
-        batch_np = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1),
-                                                     dtype=np.int32)
+        model = _model(size, dtype)
         for mesh_name in meshes:
-            mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
             label = f"{size.name}/{mesh_name}"
-            vanilla = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period)
-            streaming = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period, streaming=True,
-                                        num_fragments=num_fragments, overlap_steps=1)
-            sched = {"diloco": dl.Schedule.from_config(vanilla),
-                     "streaming": dl.Schedule.from_config(streaming)}
-
-            # ---- the steps under test
-            plain_state, plain_step = make_plain_step(model, loss_fn, inner, K, mesh)
-            steps = {
-                "plain": (plain_state, plain_step),
-                "ddp": (init_ddp_state(model, inner, mesh), make_ddp_step(K, loss_fn, inner, mesh)),
-            }
-            for backend in backends:
-                for mode, cfg in (("diloco", vanilla), ("streaming", streaming)):
-                    steps[_mode(mode, backend)] = (dl.init_state(model, inner, cfg, mesh),
-                                                   dl.make_train_step(cfg, loss_fn, inner, mesh, backend=backend))
-            diloco_modes = [m for m in steps if m not in ("plain", "ddp")]
-
-            placed = {mode: step.place_batch(batch_np) for mode, (_, step) in steps.items()}
-            counts = {mode: profiling.CompileCount() for mode in steps}
-            ncalls = dict.fromkeys(steps, 0)
-
-            def call(mode):
-                state, step = steps[mode]
-                with profiling.count_compilations() as c:
-                    state, _ = step.step_placed(state, placed[mode])
-                    jax.block_until_ready(state)
-                counts[mode].count += c.count
-                counts[mode].seconds += c.seconds
-                ncalls[mode] += 1
-                steps[mode] = (state, step)
-
-            for mode in steps:  # first call: compiles
-                call(mode)
-
-            # ---- per-phase times, interleaved across modes
-            def at(t_end, mode):
-                return lambda: _set_step(steps[mode][0], t_end - 1, mesh, eqx, jnp, islands)
-
-            s_st, s_va = sched["streaming"], sched["diloco"]
-            dh = s_st.steps_between_syncs
-            jobs: dict[tuple[str, str], list[Callable]] = {("plain", "step"): [None], ("ddp", "step"): [None]}
-            for backend in backends:
-                va, st = _mode("diloco", backend), _mode("streaming", backend)
-                jobs.update({
-                    (va, "nonsync"): [at(5, va)],
-                    (va, "sync"): [at(s_va.period, va)],
-                    (st, "nonsync"): [at(5, st)],
-                    (st, "sync"): [at(dh * j, st) for j in range(1, num_fragments + 1)],
-                    (st, "apply"): [at(dh * j + 1, st) for j in range(1, num_fragments + 1)],
-                })
-            times = {key: [] for key in jobs}
-            for rep in range(reps + 2):
-                for (mode, phase), setters in jobs.items():
-                    setter = setters[rep % len(setters)]
-                    if setter is not None:
-                        steps[mode] = (jax.block_until_ready(setter()), steps[mode][1])
-                    t0 = time.perf_counter()
-                    call(mode)
-                    if rep >= 2:  # two warm-up rounds
-                        times[(mode, phase)].append(time.perf_counter() - t0)
-
-            # ---- amortized over H_eff consecutive steps from t = 0: each mode runs its own
-            # H_eff-step sequence, interleaved with the others in chunks of 10 steps so that
-            # machine drift hits every mode alike; two blocks give every DiLoCo mode 2·H_eff
-            # consecutive steps over every schedule position
-            amort = {mode: [] for mode in ["plain", *diloco_modes]}
-            period = max(sched["diloco"].period, sched["streaming"].period)
-            for _ in range(amortized_blocks):
-                for mode in diloco_modes:
-                    steps[mode] = (jax.block_until_ready(at(1, mode)()), steps[mode][1])
-                spent = dict.fromkeys(amort, 0.0)
-                for start in range(0, period, 10):
-                    for mode in amort:
-                        n = min(10, period - start)
-                        t0 = time.perf_counter()
-                        for _ in range(n):
-                            call(mode)
-                        spent[mode] += time.perf_counter() - t0
-                for mode in amort:
-                    amort[mode].append(spent[mode] / period)
-            for mode in diloco_modes:
-                compilations[f"{label}/{mode}"] = {"count": counts[mode].count,
-                                                   "compile_s": counts[mode].seconds,
-                                                   "steps": ncalls[mode]}
-
-            # ---- memory and FLOPs of each compiled step (the executables compiled above)
-            for mode, (state, step) in steps.items():
-                compiled, live = _compiled_and_live(step.lower(state, batch_np))
-                memory[f"{label}/{mode}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
-                if mode == "plain":
-                    plain_flops = profiling.flops(compiled)
-
-            plain_median = float(np.median(times[("plain", "step")]))
-            amort_plain = float(np.median(amort["plain"]))
-            for (mode, phase), ts in times.items():
-                rows.append(_row(np, size.name, mesh_name, mode, phase, ts, plain_median, times[("plain", "step")]))
-            for mode in amort:
-                rows.append(_row(np, size.name, mesh_name, mode, "amortized", amort[mode], amort_plain))
-            devices = 1 if mesh is None else mesh.size
-            fsdp = islands.axis_size(mesh, islands.FSDP)
-            model_flops = _model_flops(size, n_params)
-            plain_bytes = memory[f"{label}/plain"]["resident_bytes"]
-            checks[label] = {
-                "devices": devices,
-                "devices_per_island": islands.island_size(mesh),
-                "fsdp": fsdp,
-                "plain_resident_bytes_per_device": plain_bytes,
-                "extra_bytes_per_device": memory[f"{label}/diloco"]["resident_bytes"] - plain_bytes,
-                "params": n_params,
-                "tokens_per_step": size.global_batch * size.seq_len,
-                "plain_flops_per_step": plain_flops * devices,
-                "inner_flops_per_s": plain_flops * devices / plain_median,
-                "matmul_flops_per_s": matmul_flops,
-                "utilisation": plain_flops * devices / plain_median / matmul_flops,
-                "model_flops_per_step": model_flops,
-                "model_flops_utilisation": model_flops / plain_median / matmul_flops,
-                "expected_extra_bytes": 2 * n_params * 4 // islands.island_size(mesh),
-            }
-
-    costs = {s.name: sync_cost(make_model(s), K, sync_period, num_fragments, reps=max(reps, 10))
+            table = _step_table(model, size, mesh_name, k, inner, sync_period, num_fragments, reps,
+                                amortized_blocks, backends)
+            rows += table["rows"]
+            memory.update({f"{label}/{mode}": m for mode, m in table["memory"].items()})
+            compilations.update({f"{label}/{mode}": c for mode, c in table["compile"].items()})
+            checks[label] = _size_checks(size, mesh_name, table, matmul_flops)
+    costs = {s.name: sync_cost(_model(s, dtype), k, sync_period, num_fragments, reps=max(reps, 10))
              for s in sizes} if with_sync_cost else {}
-    first = next(iter(checks))
-    size, mesh_name = sizes[0], meshes[0]
-    mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
-    model = make_model(size)
-    batch_np = np.zeros((size.global_batch, size.seq_len + 1), np.int32)
-    direct = dl.DiLoCoConfig(num_replicas=K, sync_period=sync_period, streaming=True, num_fragments=num_fragments)
-    for backend in backends:  # Streaming with V = 0 (no stash): memory only
-        step = dl.make_train_step(direct, loss_fn, inner, mesh, backend=backend)
-        compiled, live = _compiled_and_live(step.lower(dl.init_state(model, inner, direct, mesh), batch_np))
-        memory[f"{first}/{_mode('streaming_v0', backend)}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
-    largest = max(_fragment_params(model, direct))
-    plain_mem = memory[f"{first}/plain"]["resident_bytes"]
-    diloco_mem = memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"]
-    n = checks[first]["params"]
-    if dtype == "bfloat16" and mesh is None:  # the run's own no-mesh steps are already bfloat16
-        low = _bfloat16_row(plain_mem, memory[f"{first}/{_mode('diloco', backends[0])}"]["resident_bytes"], n)
-    else:
-        low = _bfloat16_memory(make_model(size), inner, K, sync_period, size)
-    per_island = checks[first]["devices_per_island"]
-    islands_per_device = K // (checks[first]["devices"] // per_island)
-    outer = 2 * n * 4 // per_island  # outer model and trace, split over the island's devices
-    stash = islands_per_device * largest * 4 // per_island  # one row per island: the largest fragment
-    modes = {
-        _mode(name, backend): (_mode(mode, backend), want)
-        for backend in backends
-        for name, mode, want in (("vanilla", "diloco", outer), ("streaming", "streaming_v0", outer),
-                                 ("streaming_deferred", "streaming", outer + stash))
-    }
     return {
         "compilations": max(c["count"] for c in compilations.values()),
-        "memory": {"plain_bytes": plain_mem, "diloco_bytes": diloco_mem,
-                   "expected_extra_bytes": checks[first]["expected_extra_bytes"],
-                   "param_bytes": 4 * n, "largest_fragment_bytes": 4 * largest,
-                   "modes": {name: {"extra_bytes": memory[f"{first}/{mode}"]["resident_bytes"] - plain_mem,
-                                    "live_extra_bytes": _live_extra(memory, first, mode),
-                                    "expected_extra_bytes": want}
-                             for name, (mode, want) in modes.items()},
-                   "config": first, "all": memory, "bfloat16": low},
+        "memory": _memory_by_mode(sizes[0], meshes[0], checks, memory, k, inner, sync_period, num_fragments,
+                                  backends, dtype),
         "rows": rows,
         "sync_cost": costs,
         "compile": compilations,
         "sizes": checks,
-        "settings": {"num_replicas": K, "sync_period": sync_period, "num_fragments": num_fragments,
+        "settings": {"num_replicas": k, "sync_period": sync_period, "num_fragments": num_fragments,
                      "overlap_steps": 1, "reps": reps, "dtype": dtype},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "jax": jax.__version__,
                     "device": jax.devices()[0].device_kind},
     }
+
+
+class _StepRunner:
+    """Each mode's state and step on one batch, placed once: `call` runs one step and counts
+    its compilations, `set_step` moves a mode's global step so the next call ends where a
+    phase needs it."""
+
+    def __init__(self, steps: dict, batch, mesh):
+        from diloco_eqx.analysis import profiling
+
+        self.steps, self.mesh, self.batch = steps, mesh, batch
+        self.placed = {mode: step.place_batch(batch) for mode, (_, step) in steps.items()}
+        self.counts = {mode: profiling.CompileCount() for mode in steps}
+        self.calls = dict.fromkeys(steps, 0)
+
+    def call(self, mode: str) -> None:
+        import jax
+
+        from diloco_eqx.analysis import profiling
+
+        state, step = self.steps[mode]
+        with profiling.count_compilations() as c:
+            state, _ = step.step_placed(state, self.placed[mode])
+            jax.block_until_ready(state)
+        self.counts[mode].count += c.count
+        self.counts[mode].seconds += c.seconds
+        self.calls[mode] += 1
+        self.steps[mode] = (state, step)
+
+    def set_step(self, mode: str, t_end: int) -> None:
+        """The next call of `mode` is the step ending at t_end (its state's t = t_end − 1)."""
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+
+        from diloco_eqx import mesh as islands
+
+        state, step = self.steps[mode]
+        self.steps[mode] = (jax.block_until_ready(_set_step(state, t_end - 1, self.mesh, eqx, jnp, islands)), step)
+
+
+def _step_table(model, size: Size, mesh_name: str, k: int, inner, sync_period: int, num_fragments: int,
+                reps: int, amortized_blocks: int, backends) -> dict:
+    """One size on one mesh: every mode's rows (phases, then amortized), compile counts,
+    memory of its compiled step, and plain's FLOPs and median step time."""
+    import numpy as np
+
+    import diloco_eqx as dl
+    from models.transformer import count_params
+
+    mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
+    vanilla = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
+    streaming = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
+                                num_fragments=num_fragments, overlap_steps=1)
+    batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
+    runner = _StepRunner(_bench_steps(model, k, inner, mesh, vanilla, streaming, backends), batch, mesh)
+    for mode in runner.steps:  # first call: compiles
+        runner.call(mode)
+    va, st = dl.Schedule.from_config(vanilla), dl.Schedule.from_config(streaming)
+    times = _phase_times(runner, _phase_jobs(va, st, backends, num_fragments), reps)
+    diloco_modes = [m for m in runner.steps if m not in ("plain", "ddp")]
+    amort = _amortized_times(runner, ["plain", *diloco_modes], max(va.period, st.period), amortized_blocks)
+    compile_counts = {mode: {"count": runner.counts[mode].count, "compile_s": runner.counts[mode].seconds,
+                             "steps": runner.calls[mode]} for mode in diloco_modes}
+    memory, plain_flops = _step_memory(runner)
+    plain_times = times[("plain", "step")]
+    plain_median, amort_plain = float(np.median(plain_times)), float(np.median(amort["plain"]))
+    rows = [_row(np, size.name, mesh_name, mode, phase, ts, plain_median, plain_times)
+            for (mode, phase), ts in times.items()]
+    rows += [_row(np, size.name, mesh_name, mode, "amortized", ts, amort_plain) for mode, ts in amort.items()]
+    return {"rows": rows, "compile": compile_counts, "memory": memory, "mesh": mesh, "plain_flops": plain_flops,
+            "plain_median_s": plain_median, "params": count_params(model)}
+
+
+def _bench_steps(model, k: int, inner, mesh, vanilla, streaming, backends) -> dict:
+    """The steps under test, by mode: plain, DDP, and vanilla and Streaming DiLoCo on every backend."""
+    import diloco_eqx as dl
+    from diloco_eqx.analysis.plain import make_plain_step
+    from diloco_eqx.ddp import init_ddp_state, make_ddp_step
+    from models.transformer import loss_fn
+
+    steps = {"plain": make_plain_step(model, loss_fn, inner, k, mesh),
+             "ddp": (init_ddp_state(model, inner, mesh), make_ddp_step(k, loss_fn, inner, mesh))}
+    for backend in backends:
+        for mode, cfg in (("diloco", vanilla), ("streaming", streaming)):
+            steps[_mode(mode, backend)] = (dl.init_state(model, inner, cfg, mesh),
+                                           dl.make_train_step(cfg, loss_fn, inner, mesh, backend=backend))
+    return steps
+
+
+def _phase_jobs(vanilla, streaming, backends, num_fragments: int) -> dict[tuple[str, str], list[int | None]]:
+    """For each (mode, phase), the global steps its timed steps end at, taken in turn
+    (None: wherever the mode is): a sync, a Streaming sync and apply of every fragment, or
+    neither (t = 5)."""
+    dh = streaming.steps_between_syncs
+    jobs: dict[tuple[str, str], list[int | None]] = {("plain", "step"): [None], ("ddp", "step"): [None]}
+    for backend in backends:
+        va, st = _mode("diloco", backend), _mode("streaming", backend)
+        jobs.update({
+            (va, "nonsync"): [5],
+            (va, "sync"): [vanilla.period],
+            (st, "nonsync"): [5],
+            (st, "sync"): [dh * j for j in range(1, num_fragments + 1)],
+            (st, "apply"): [dh * j + 1 for j in range(1, num_fragments + 1)],
+        })
+    return jobs
+
+
+def _phase_times(runner: _StepRunner, jobs: dict, reps: int) -> dict:
+    """Each job's step times, one step at a time and interleaved across jobs, after two
+    warm-up rounds."""
+    times = {key: [] for key in jobs}
+    for rep in range(reps + 2):
+        for (mode, phase), ends in jobs.items():
+            t_end = ends[rep % len(ends)]
+            if t_end is not None:
+                runner.set_step(mode, t_end)
+            t0 = time.perf_counter()
+            runner.call(mode)
+            if rep >= 2:
+                times[(mode, phase)].append(time.perf_counter() - t0)
+    return times
+
+
+def _amortized_times(runner: _StepRunner, modes: list[str], period: int, blocks: int) -> dict:
+    """Mean step time over H_eff consecutive steps from t = 0, per block: each mode runs its
+    own sequence, interleaved with the others in chunks of 10 steps so that machine drift hits
+    every mode alike; two blocks give every DiLoCo mode 2·H_eff consecutive steps over every
+    schedule position."""
+    amort = {mode: [] for mode in modes}
+    for _ in range(blocks):
+        for mode in modes[1:]:  # plain has no schedule
+            runner.set_step(mode, 1)
+        spent = dict.fromkeys(modes, 0.0)
+        for start in range(0, period, 10):
+            for mode in modes:
+                t0 = time.perf_counter()
+                for _ in range(min(10, period - start)):
+                    runner.call(mode)
+                spent[mode] += time.perf_counter() - t0
+        for mode in modes:
+            amort[mode].append(spent[mode] / period)
+    return amort
+
+
+def _step_memory(runner: _StepRunner) -> tuple[dict, float]:
+    """Memory of each mode's compiled step (the executables already run), and plain's FLOPs."""
+    from diloco_eqx.analysis import profiling
+
+    memory, plain_flops = {}, None
+    for mode, (state, step) in runner.steps.items():
+        compiled, live = _compiled_and_live(step.lower(state, runner.batch))
+        memory[mode] = {**profiling.memory(compiled), "live_peak_bytes": live}
+        if mode == "plain":
+            plain_flops = profiling.flops(compiled)
+    return memory, plain_flops
+
+
+def _size_checks(size: Size, mesh_name: str, table: dict, matmul_flops: float) -> dict:
+    """What one size on one mesh measured against the machine: extra memory, FLOP rates, MFU."""
+    from diloco_eqx import mesh as islands
+
+    mesh, memory, n = table["mesh"], table["memory"], table["params"]
+    devices = 1 if mesh is None else mesh.size
+    plain_flops, plain_median = table["plain_flops"] * devices, table["plain_median_s"]
+    model_flops = _model_flops(size, n)
+    return {
+        "devices": devices,
+        "devices_per_island": islands.island_size(mesh),
+        "fsdp": islands.axis_size(mesh, islands.FSDP),
+        "plain_resident_bytes_per_device": memory["plain"]["resident_bytes"],
+        "extra_bytes_per_device": memory["diloco"]["resident_bytes"] - memory["plain"]["resident_bytes"],
+        "params": n,
+        "tokens_per_step": size.global_batch * size.seq_len,
+        "plain_flops_per_step": plain_flops,
+        "inner_flops_per_s": plain_flops / plain_median,
+        "matmul_flops_per_s": matmul_flops,
+        "utilisation": plain_flops / plain_median / matmul_flops,
+        "model_flops_per_step": model_flops,
+        "model_flops_utilisation": model_flops / plain_median / matmul_flops,
+        "expected_extra_bytes": 2 * n * 4 // islands.island_size(mesh),
+    }
+
+
+def _memory_by_mode(size: Size, mesh_name: str, checks: dict, memory: dict, k: int, inner, sync_period: int,
+                    num_fragments: int, backends, dtype: str) -> dict:
+    """Every mode's extra memory over plain for the first size and mesh, against its formula:
+    2·|Θ|·4 for the outer model and trace (per island device), plus, with the deferred
+    exchange, one stash row of the largest fragment per island on the device. Streaming with
+    V = 0 is compiled here for its memory only."""
+    import numpy as np
+
+    import diloco_eqx as dl
+    from diloco_eqx.analysis import profiling
+    from models.transformer import loss_fn
+
+    first = f"{size.name}/{mesh_name}"
+    mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
+    model, batch = _model(size, dtype), np.zeros((size.global_batch, size.seq_len + 1), np.int32)
+    direct = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True, num_fragments=num_fragments)
+    memory = dict(memory)
+    for backend in backends:
+        step = dl.make_train_step(direct, loss_fn, inner, mesh, backend=backend)
+        compiled, live = _compiled_and_live(step.lower(dl.init_state(model, inner, direct, mesh), batch))
+        memory[f"{first}/{_mode('streaming_v0', backend)}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
+    n, largest = checks[first]["params"], max(_fragment_params(model, direct))
+    plain_mem = memory[f"{first}/plain"]["resident_bytes"]
+    if dtype == "bfloat16" and mesh is None:  # the run's own no-mesh steps are already bfloat16
+        low = _bfloat16_row(plain_mem, memory[f"{first}/{_mode('diloco', backends[0])}"]["resident_bytes"], n)
+    else:
+        low = _bfloat16_memory(_model(size, dtype), inner, k, sync_period, size)
+    per_island = checks[first]["devices_per_island"]
+    islands_per_device = k // (checks[first]["devices"] // per_island)
+    outer = 2 * n * 4 // per_island  # outer model and trace, split over the island's devices
+    stash = islands_per_device * largest * 4 // per_island  # one row per island: the largest fragment
+    modes = {_mode(name, backend): (_mode(mode, backend), want) for backend in backends
+             for name, mode, want in (("vanilla", "diloco", outer), ("streaming", "streaming_v0", outer),
+                                      ("streaming_deferred", "streaming", outer + stash))}
+    return {"plain_bytes": plain_mem,
+            "diloco_bytes": memory[f"{first}/{_mode('streaming', backends[0])}"]["resident_bytes"],
+            "expected_extra_bytes": checks[first]["expected_extra_bytes"],
+            "param_bytes": 4 * n, "largest_fragment_bytes": 4 * largest,
+            "modes": {name: {"extra_bytes": memory[f"{first}/{mode}"]["resident_bytes"] - plain_mem,
+                             "live_extra_bytes": _live_extra(memory, first, mode), "expected_extra_bytes": want}
+                      for name, (mode, want) in modes.items()},
+            "config": first, "all": memory, "bfloat16": low}
 
 
 def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
