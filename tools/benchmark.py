@@ -183,7 +183,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
 
     k, inner = 2, optax.adamw(1e-3)
     rows, memory, compilations, checks = [], {}, {}, {}
-    matmul_flops = _matmul_flops(jax, jnp, dtype=jnp.dtype(dtype))
+    matmul_flops = _matmul_flops(dtype=jnp.dtype(dtype))
     for size in sizes:
         model = _model(size, dtype)
         for mesh_name in meshes:
@@ -248,7 +248,8 @@ class _StepRunner:
         from diloco_eqx import mesh as islands
 
         state, step = self.steps[mode]
-        self.steps[mode] = (jax.block_until_ready(_set_step(state, t_end - 1, self.mesh, eqx, jnp, islands)), step)
+        t = islands.place(jnp.asarray(t_end - 1, jnp.int32), self.mesh, islands.REPLICATED)
+        self.steps[mode] = (jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, t)), step)
 
 
 def _step_table(model, size: Size, mesh_name: str, k: int, inner, sync_period: int, num_fragments: int,
@@ -277,9 +278,9 @@ def _step_table(model, size: Size, mesh_name: str, k: int, inner, sync_period: i
     memory, plain_flops = _step_memory(runner)
     plain_times = times[("plain", "step")]
     plain_median, amort_plain = float(np.median(plain_times)), float(np.median(amort["plain"]))
-    rows = [_row(np, size.name, mesh_name, mode, phase, ts, plain_median, plain_times)
+    rows = [_row(size.name, mesh_name, mode, phase, ts, plain_median, plain_times)
             for (mode, phase), ts in times.items()]
-    rows += [_row(np, size.name, mesh_name, mode, "amortized", ts, amort_plain) for mode, ts in amort.items()]
+    rows += [_row(size.name, mesh_name, mode, "amortized", ts, amort_plain) for mode, ts in amort.items()]
     return {"rows": rows, "compile": compile_counts, "memory": memory, "mesh": mesh, "plain_flops": plain_flops,
             "plain_median_s": plain_median, "params": count_params(model)}
 
@@ -1257,13 +1258,10 @@ def _mode(mode: str, backend: str) -> str:
     return mode if backend == "shard_map" else f"{mode}_{backend}"
 
 
-def _set_step(state, t, mesh, eqx, jnp, islands):
-    value = islands.place(jnp.asarray(t, jnp.int32), mesh, islands.REPLICATED)
-    return eqx.tree_at(lambda s: s.step, state, value)
-
-
-def _matmul_flops(jax, jnp, n=None, reps=10, dtype=None) -> float:
+def _matmul_flops(n=None, reps=10, dtype=None) -> float:
     """FLOP/s of an n×n matmul in `dtype` (n = 8192 on an accelerator, 1024 on CPU)."""
+    import jax
+    import jax.numpy as jnp
     import numpy as np
 
     n = n or (1024 if jax.default_backend() == "cpu" else 8192)
@@ -1278,9 +1276,11 @@ def _matmul_flops(jax, jnp, n=None, reps=10, dtype=None) -> float:
     return 2 * n**3 / float(np.median(ts))
 
 
-def _row(np, size, mesh, mode, phase, ts, plain, paired=None):
+def _row(size, mesh, mode, phase, ts, plain, paired=None):
     """One table row; with `paired` (plain's times in the same repetitions), also the mean
     ratio of each repetition's time to plain's with its 95% t-interval."""
+    import numpy as np
+
     median = float(np.median(ts))
     backend = "drjax" if mode.endswith("_drjax") else "shard_map"
     row = {"size": size, "mesh": mesh, "mode": mode, "backend": backend, "phase": phase, "median_s": median,
