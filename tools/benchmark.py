@@ -193,7 +193,7 @@ def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, bac
             rows += table["rows"]
             memory.update({f"{label}/{mode}": m for mode, m in table["memory"].items()})
             compilations.update({f"{label}/{mode}": c for mode, c in table["compile"].items()})
-            checks[label] = _size_checks(size, mesh_name, table, matmul_flops)
+            checks[label] = _size_checks(size, table, matmul_flops)
     costs = {s.name: sync_cost(_model(s, dtype), k, sync_period, num_fragments, reps=max(reps, 10))
              for s in sizes} if with_sync_cost else {}
     return {
@@ -369,7 +369,7 @@ def _step_memory(runner: _StepRunner) -> tuple[dict, float]:
     return memory, plain_flops
 
 
-def _size_checks(size: Size, mesh_name: str, table: dict, matmul_flops: float) -> dict:
+def _size_checks(size: Size, table: dict, matmul_flops: float) -> dict:
     """What one size on one mesh measured against the machine: extra memory, FLOP rates, MFU."""
     from diloco_eqx import mesh as islands
 
