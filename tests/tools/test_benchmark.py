@@ -247,6 +247,27 @@ def test_bad_flags_are_refused_before_anything_runs(tmp_path, flags, message):
     assert run.returncode != 0 and message in run.stderr and not (tmp_path / "t").exists()
 
 
+def test_the_step_tables_phases_end_on_their_events():
+    """Where the step table's timed steps end, by hand for H = 100, P = 5, V = 1 (Δh = 20),
+    and against the schedule: a Streaming sync of every fragment once, each apply one step
+    after its sync, the vanilla sync at H, and no event at all on the non-sync steps."""
+    import diloco_eqx as dl
+    from tools.benchmark import _phase_jobs
+
+    vanilla, streaming = dl.Schedule(100), dl.Schedule(100, 5, 1)
+    jobs = _phase_jobs(vanilla, streaming, ("shard_map", "drjax"), 5)
+    assert jobs[("plain", "step")] == jobs[("ddp", "step")] == [None]
+    for suffix in ("", "_drjax"):
+        syncs, applies = jobs[(f"streaming{suffix}", "sync")], jobs[(f"streaming{suffix}", "apply")]
+        assert syncs == [20, 40, 60, 80, 100] and applies == [21, 41, 61, 81, 101]
+        assert [streaming.sync_fragment(t) for t in syncs] == [1, 2, 3, 4, 0]
+        assert [streaming.apply_fragment(t) for t in applies] == [1, 2, 3, 4, 0]
+        assert jobs[(f"diloco{suffix}", "sync")] == [100] and vanilla.is_sync(100)
+        for mode, schedule in ((f"diloco{suffix}", vanilla), (f"streaming{suffix}", streaming)):
+            (t,) = jobs[(mode, "nonsync")]
+            assert not schedule.is_sync(t) and not schedule.is_apply(t)
+
+
 def test_readme_benchmark_commands_are_accepted():
     """Every `python -m tools.benchmark` command line of the README's code blocks passes the
     flag checks as written (a renamed or refused flag would fail here, not in a user's run)."""
