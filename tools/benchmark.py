@@ -240,16 +240,9 @@ class _StepRunner:
         self.steps[mode] = (state, step)
 
     def set_step(self, mode: str, t_end: int) -> None:
-        """The next call of `mode` is the step ending at t_end (its state's t = t_end − 1)."""
-        import equinox as eqx
-        import jax
-        import jax.numpy as jnp
-
-        from diloco_eqx import mesh as islands
-
+        """The next call of `mode` is the step ending at t_end."""
         state, step = self.steps[mode]
-        t = islands.place(jnp.asarray(t_end - 1, jnp.int32), self.mesh, islands.REPLICATED)
-        self.steps[mode] = (jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, t)), step)
+        self.steps[mode] = (_ending_at(state, t_end, self.mesh), step)
 
 
 def _step_table(model, size: Size, mesh_name: str, k: int, inner, sync_period: int, num_fragments: int,
@@ -261,7 +254,7 @@ def _step_table(model, size: Size, mesh_name: str, k: int, inner, sync_period: i
     import diloco_eqx as dl
     from models.transformer import count_params
 
-    mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
+    mesh = _bench_mesh(mesh_name)
     vanilla = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
     streaming = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
                                 num_fragments=num_fragments, overlap_steps=1)
@@ -362,8 +355,7 @@ def _step_memory(runner: _StepRunner) -> tuple[dict, float]:
 
     memory, plain_flops = {}, None
     for mode, (state, step) in runner.steps.items():
-        compiled, live = _compiled_and_live(step.lower(state, runner.batch))
-        memory[mode] = {**profiling.memory(compiled), "live_peak_bytes": live}
+        memory[mode], compiled = _step_memory_of(step, state, runner.batch)
         if mode == "plain":
             plain_flops = profiling.flops(compiled)
     return memory, plain_flops
@@ -404,18 +396,17 @@ def _memory_by_mode(size: Size, mesh_name: str, checks: dict, memory: dict, k: i
     import numpy as np
 
     import diloco_eqx as dl
-    from diloco_eqx.analysis import profiling
     from models.transformer import loss_fn
 
     first = f"{size.name}/{mesh_name}"
-    mesh = None if MESHES[mesh_name] is None else dl.make_mesh(**MESHES[mesh_name])
+    mesh = _bench_mesh(mesh_name)
     model, batch = _model(size, dtype), np.zeros((size.global_batch, size.seq_len + 1), np.int32)
     direct = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True, num_fragments=num_fragments)
     memory = dict(memory)
     for backend in backends:
         step = dl.make_train_step(direct, loss_fn, inner, mesh, backend=backend)
-        compiled, live = _compiled_and_live(step.lower(dl.init_state(model, inner, direct, mesh), batch))
-        memory[f"{first}/{_mode('streaming_v0', backend)}"] = {**profiling.memory(compiled), "live_peak_bytes": live}
+        memory[f"{first}/{_mode('streaming_v0', backend)}"], _ = _step_memory_of(
+            step, dl.init_state(model, inner, direct, mesh), batch)
     n, largest = checks[first]["params"], max(_fragment_params(model, direct))
     plain_mem = memory[f"{first}/plain"]["resident_bytes"]
     if dtype == "bfloat16" and mesh is None:  # the run's own no-mesh steps are already bfloat16
@@ -578,13 +569,11 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
 def _time_step(state_and_step: list, placed, t_end: int | None = None) -> float:
     """Seconds of one step from `state_and_step` ([state, step], updated in place); with
     `t_end`, the step that ends at t_end (the state's counter set first, untimed)."""
-    import equinox as eqx
     import jax
-    import jax.numpy as jnp
 
     state, step = state_and_step
     if t_end is not None:
-        state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(t_end - 1, jnp.int32)))
+        state = _ending_at(state, t_end)
     t0 = time.perf_counter()
     state, _ = step.step_placed(state, placed)
     jax.block_until_ready(state)
@@ -753,9 +742,7 @@ def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int,
     `pair` run each phase back to back, alternating which goes first. `steps` holds [state,
     step] lists keyed (variant, mode); a phase is (mode, the step t to run, or a list of
     them taken in turn, or None to go on from the state's own step)."""
-    import equinox as eqx
     import jax
-    import jax.numpy as jnp
 
     times = {}
     for rep in range(reps + 1):
@@ -764,7 +751,7 @@ def _paired_order_times(steps: dict, placed: dict, phases: dict, reps: int,
             for order in (pair[::-1] if rep % 2 else pair):
                 state, step = steps[order, mode]
                 if t is not None:
-                    state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(t - 1, jnp.int32)))
+                    state = _ending_at(state, t)
                 t0 = time.perf_counter()
                 state, _ = step.step_placed(state, placed[order, mode])
                 jax.block_until_ready(state)
@@ -867,13 +854,11 @@ def _nonsync_step(state_and_step: list, batches, reset_t: bool, annotation: str 
     from its call until its new state is ready; the state is replaced in place."""
     import contextlib
 
-    import equinox as eqx
     import jax
-    import jax.numpy as jnp
 
     state, step = state_and_step
     if reset_t:
-        state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, jnp.asarray(4, jnp.int32)))
+        state = _ending_at(state, 5)
     with jax.profiler.TraceAnnotation(annotation) if annotation else contextlib.nullcontext():
         t0 = time.perf_counter()
         state, _ = step.step_placed(state, batches)
@@ -1043,9 +1028,7 @@ def _host_memory_worker(size: Size, sync_period: int) -> None:
     with a JSON line of its seconds, page faults and system CPU seconds."""
     import resource
 
-    import equinox as eqx
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -1065,8 +1048,7 @@ def _host_memory_worker(size: Size, sync_period: int) -> None:
         name = "plain" if phase == "plain" else "diloco"
         state, step = steps[name]
         if phase in step_at:
-            t = jnp.asarray(step_at[phase] - 1, jnp.int32)
-            state = jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, t))
+            state = _ending_at(state, step_at[phase])
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         state, _ = step.step_placed(state, placed[name])
         steps[name][0] = jax.block_until_ready(state)
@@ -1256,6 +1238,34 @@ def _compiled_and_live(lowered):
 
 def _mode(mode: str, backend: str) -> str:
     return mode if backend == "shard_map" else f"{mode}_{backend}"
+
+
+def _ending_at(state, t_end: int, mesh=None):
+    """`state` with its global step set so that the next step ends at t_end (t = t_end − 1,
+    replicated on `mesh`), computed before any timing starts."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from diloco_eqx import mesh as islands
+
+    t = islands.place(jnp.asarray(t_end - 1, jnp.int32), mesh, islands.REPLICATED)
+    return jax.block_until_ready(eqx.tree_at(lambda s: s.step, state, t))
+
+
+def _bench_mesh(name: str):
+    """The mesh a MESHES name stands for (None: no mesh)."""
+    import diloco_eqx as dl
+
+    return None if MESHES[name] is None else dl.make_mesh(**MESHES[name])
+
+
+def _step_memory_of(step, state, batch) -> tuple[dict, object]:
+    """A compiled step's memory analysis with its live-range peak, and the executable."""
+    from diloco_eqx.analysis import profiling
+
+    compiled, live = _compiled_and_live(step.lower(state, batch))
+    return {**profiling.memory(compiled), "live_peak_bytes": live}, compiled
 
 
 def _matmul_flops(n=None, reps=10, dtype=None) -> float:
