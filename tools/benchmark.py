@@ -840,7 +840,8 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
                   file=sys.stderr, flush=True)
     plain = times["plain"]
     modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain)} for m in cfgs}
-    out = {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps}
+    out = {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps,
+           "events": {m: _event_check(model, cfg, steps[m], placed[m]) for m, cfg in cfgs.items()}}
     if trace:
         with jax.profiler.trace(trace):
             for rep in range(3):
@@ -866,6 +867,35 @@ def _nonsync_step(state_and_step: list, batches, reset_t: bool, annotation: str 
         elapsed = time.perf_counter() - t0
     state_and_step[0] = state
     return elapsed
+
+
+def _event_check(model, cfg, state_and_step: list, batches) -> dict:
+    """The steps that end at H_eff − 1 through H_eff + V, fragment 0's sync and its apply:
+    after each, the largest difference between islands over fragment 0 (every parameter for
+    vanilla DiLoCo), and the outer model's Σ|θ| after the last. With α = 0 the apply makes
+    the islands' fragment 0 equal, so a spread of exactly 0 after the apply, and only then,
+    shows the event's loops ran on the device; Σ|θ| compares runs under other XLA flags."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import diloco_eqx as dl
+
+    schedule, fragment0 = dl.Schedule.from_config(cfg), dl.Fragmentation.from_model(model, cfg)
+    first = schedule.period - 1
+    ends = list(range(first, schedule.period + cfg.overlap_steps + 1))
+    state, step = state_and_step
+    state, spreads = _ending_at(state, first), []
+    for _ in ends:
+        state, _ = step.step_placed(state, batches)
+        part = fragment0.take(eqx.filter(state.inner_model, eqx.is_inexact_array), 0)
+        spreads.append(max(float(jnp.max(jnp.abs(x - x[:1]))) for x in jax.tree.leaves(part)))
+    state_and_step[0] = state
+    outer = sum(float(np.abs(np.asarray(x, np.float64)).sum())
+                for x in jax.tree.leaves(eqx.filter(state.outer, eqx.is_inexact_array)))
+    return {"ends": ends, "applied_at": schedule.period + cfg.overlap_steps, "fragment0_spread": spreads,
+            "outer_abs_sum": outer}
 
 
 def _ratio_interval(a, b) -> dict:
@@ -902,6 +932,10 @@ def format_nonsync(result: dict) -> str:
                      f"{1e3 * c['plain_s']:.2f} ms): " + ", ".join(
                          f"{m} {r['ratio']:.4f} [{r['ratio_low']:.4f}, {r['ratio_high']:.4f}]"
                          for m, r in c["modes"].items()))
+        lines += [f"{size} events at t = {e['ends'][0]}..{e['ends'][-1]}, {m}: islands' largest difference over "
+                  f"fragment 0 after each step " + ", ".join(f"{d:.3g}" for d in e["fragment0_spread"])
+                  + f" (0 at the apply, t = {e['applied_at']}); outer Σ|θ| {e['outer_abs_sum']:.6g}"
+                  for m, e in c.get("events", {}).items()]
         if "trace" in c:
             lines += [f"{size} traced steps (medians of 3):", trace_gaps.format_summary(c["trace"])]
     return "\n".join(lines)
@@ -1084,7 +1118,8 @@ def run_cpu_orders(sizes, reps: int, sync_period: int, num_fragments: int) -> di
 
 
 def _settings_and_machine(sync_period: int, num_fragments: int, reps: int, overlap_steps: int = 1) -> dict:
-    """What a sync-cost, cpu-orders or host-memory JSON records of its settings and machine (K = 2)."""
+    """What a sync-cost, cpu-orders, non-sync or host-memory JSON records of its settings and
+    machine (K = 2), XLA's flags among them (two runs may differ only in those)."""
     import jax
 
     from diloco_eqx import host_memory
@@ -1094,7 +1129,8 @@ def _settings_and_machine(sync_period: int, num_fragments: int, reps: int, overl
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": platform.python_version(), "jax": jax.__version__,
                         "libc": " ".join(platform.libc_ver()), "transparent_huge_pages": host_memory.transparent_huge_pages(),
-                        "keep_host_memory": host_memory.kept()}}
+                        "keep_host_memory": host_memory.kept(), "device": jax.devices()[0].device_kind,
+                        "xla_flags": os.environ.get("XLA_FLAGS", "")}}
 
 
 def _model(size: Size, dtype: str = "float32"):
