@@ -1,0 +1,91 @@
+"""`tools.benchmark --nonsync` runs side by side, e.g. under two settings of XLA's flags.
+
+    python -m tools.compare_nonsync default.json graphs.json
+
+Per run, its XLA flags (the simulated-device count left out); then per size and mode the
+no-event step's ratio to plain with its 95% interval and target 3's verdict on the 1% line
+(holding: the whole interval below 1.01; contradicted: above it; unresolved: across it); the
+traced steps' device-to-host copies (each a loop predicate read on the host) and their span
+over plain's, where the run was traced; and the event check: whether the islands' fragment 0
+agreed exactly after the apply and only then, and the outer model's Σ|θ| relative to the
+first run's. The runs are separate processes, so their ratios are compared, not paired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+LINE = 1.01
+"""Target 3: a step without an event within 1% of plain's."""
+
+
+def load(path: str) -> dict:
+    """A `--nonsync` JSON, or SystemExit naming the file and what it lacks."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"compare_nonsync: cannot read {path}: {e}") from None
+    if "nonsync" not in result:
+        raise SystemExit(f"compare_nonsync: {path} is not a `tools.benchmark --nonsync` JSON "
+                         f"(it has {sorted(result)}, no 'nonsync')")
+    return result
+
+
+def verdict(r: dict, line: float = LINE) -> str:
+    if r["ratio_high"] < line:
+        return "holding"
+    return "contradicted" if r["ratio_low"] > line else "unresolved"
+
+
+def events_ran(e: dict) -> bool:
+    """Fragment 0 equal across islands after the apply (the last step) and after no step before."""
+    *before, after = e["fragment0_spread"]
+    return after == 0 and all(d > 0 for d in before)
+
+
+def flags(result: dict) -> str:
+    given = result.get("machine", {}).get("xla_flags", "").split()
+    return " ".join(f for f in given if not f.startswith("--xla_force_host_platform_device_count")) or "(default)"
+
+
+def compare(runs: dict[str, dict]) -> str:
+    """The runs (name: JSON), per size present in all of them."""
+    first = next(iter(runs.values()))
+    sizes = [s for s in first["nonsync"] if all(s in r["nonsync"] for r in runs.values())]
+    lines = [f"{name}: XLA flags {flags(r)}; {r['machine'].get('device', '?')}, jax {r['machine']['jax']}"
+             for name, r in runs.items()]
+    for size in sizes:
+        base = first["nonsync"][size]
+        for name, r in runs.items():
+            c = r["nonsync"][size]
+            lines.append(f"{size} {name}: plain {1e3 * c['plain_s']:.2f} ms, {c['reps']} pairs")
+            trace = c.get("trace", {})
+            for mode, m in c["modes"].items():
+                text = (f"  {mode:10s} {m['ratio']:.4f} [{m['ratio_low']:.4f}, {m['ratio_high']:.4f}] "
+                        f"{verdict(m)} at {LINE}")
+                if mode in trace and "plain" in trace:
+                    text += (f"; traced: {trace[mode]['d2h']:.0f} D2H, span − plain's "
+                             f"{trace[mode]['span'] - trace['plain']['span']:.0f} us")
+                if mode in c.get("events", {}):
+                    e, e0 = c["events"][mode], base.get("events", {}).get(mode)
+                    text += f"; events {'ran' if events_ran(e) else 'DID NOT RUN as scheduled'}"
+                    if e0 is not None:
+                        text += f", outer Σ|θ| ÷ first run's − 1 = {e['outer_abs_sum'] / e0['outer_abs_sum'] - 1:+.2e}"
+                lines.append(text)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", metavar="JSON", help="`tools.benchmark --nonsync --json` outputs")
+    args = parser.parse_args(argv)
+    text = compare({os.path.basename(p).removesuffix(".json"): load(p) for p in args.runs})
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
