@@ -13,6 +13,8 @@
 # own time limit and JSON. `tools.compare_nonsync` then prints them side by side: each ratio
 # with its verdict, the device-to-host copies per traced step (0 once the loops stay on the
 # device), and whether the events still ran, with the outer model's Σ|θ| against the first run.
+# GRAPH_FLAGS replaces the second run's flags (e.g. adding --xla_gpu_graph_min_graph_size=1 if
+# the reads remain).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-.}}"
@@ -25,7 +27,7 @@ cat "$out/gpu_nonsync.txt"
 # SIZE, DTYPE, REPS and TRACE=no (no trace: XLA:CPU has no device timeline) let the slow test
 # run the same script on a CPU, where XLA still parses the GPU flag
 common=(--nonsync --sizes "${SIZE:-100M}" --dtype "${DTYPE:-bfloat16}" --reps "${REPS:-80}")
-graphs="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
+graphs="${GRAPH_FLAGS:---xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL}"  # GRAPH_FLAGS: other flags for the second run
 for run in default graphs; do
   flags="${XLA_FLAGS:-}"
   [ "$run" = graphs ] && flags="$flags $graphs"
