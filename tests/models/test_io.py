@@ -37,7 +37,7 @@ def test_default_factory_is_the_transformer():
     expected = Transformer(CONFIG, jax.random.key(3))
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(expected)))
     batch = np.arange(2 * 17).reshape(2, 17) % 300
-    logits = np.asarray(eqx.filter_jit(jax.vmap(model))(batch[:, :-1]), np.float64)
+    logits = np.asarray(eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(model, batch[:, :-1]), np.float64)
     picked = np.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
     top = logits.max(-1)
     manual = np.mean(top + np.log(np.exp(logits - top[..., None]).sum(-1)) - picked)
