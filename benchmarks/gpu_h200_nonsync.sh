@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Target 3 on the GPU, prepared for one device call of about 6 minutes (give it 9): does
-# Streaming's step without an event come within 1% of plain's when XLA:GPU keeps the event
-# loops on the device instead of reading each loop's predicate on the host?
+# Target 3 on the GPU, prepared for one device call of about 6 minutes (run it on the H200,
+# the card of the committed figures, with the call's limit at 600 s): does Streaming's step
+# without an event come within 1% of plain's when XLA:GPU keeps the event loops on the
+# device instead of reading each loop's predicate on the host?
 #
 #   bash benchmarks/gpu_h200_nonsync.sh [OUT_DIR]
 #
@@ -10,32 +11,40 @@
 # to back in a rotating order, 80 pairs; then each mode through fragment 0's sync and apply,
 # and three traced no-event steps per mode): first under XLA's default flags, then with while
 # loops and conditionals recorded into the step's CUDA graphs (command buffers). Each has its
-# own time limit and JSON. `tools.compare_nonsync` then prints them side by side: each ratio
-# with its verdict, the device-to-host copies per traced step (0 once the loops stay on the
-# device), and whether the events still ran, with the outer model's Σ|θ| against the first run.
-# GRAPH_FLAGS replaces the second run's flags (e.g. adding --xla_gpu_graph_min_graph_size=1 if
-# the reads remain).
+# own time limit and JSON, rewritten after each phase, so a stage cut short keeps what it
+# measured. Both keep command buffers on under the profiler (XLA turns them off there by
+# default, and the trace would show another program than the one timed); the trace's
+# "graphs off" column says whether that held. `tools.compare_nonsync` then prints the runs
+# side by side: each ratio with its verdict, the device-to-host copies per traced step (0
+# once the loops stay on the device), and whether the events still ran, with the outer
+# model's Σ|θ| against the first run. GRAPH_FLAGS replaces the second run's command-buffer
+# flags: repeat +WHILE,+CONDITIONAL in it (e.g. GRAPH_FLAGS="--xla_gpu_enable_command_buffer=
+# +WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1" if the reads remain).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-.}}"
-traces="${TRACE_DIR:-/tmp/diloco_eqx_traces}"  # the raw traces stay out of OUT_DIR: the JSONs hold their summaries
+traces="${TRACE_DIR:-/tmp/diloco_eqx_traces}"  # raw traces: summarized in the JSONs, copied to OUT_DIR if small
 mkdir -p "$out" "$traces"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu_nonsync.txt" 2>&1
 python -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())" >> "$out/gpu_nonsync.txt" 2>&1
 cat "$out/gpu_nonsync.txt"
 # SIZE, DTYPE, REPS and TRACE=no (no trace: XLA:CPU has no device timeline) let the slow test
-# run the same script on a CPU, where XLA still parses the GPU flag
+# run the same script on a CPU, where XLA still parses the GPU flags
 common=(--nonsync --sizes "${SIZE:-100M}" --dtype "${DTYPE:-bfloat16}" --reps "${REPS:-80}")
-graphs="${GRAPH_FLAGS:---xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL}"  # GRAPH_FLAGS: other flags for the second run
+graphs="${GRAPH_FLAGS:---xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL}"
 for run in default graphs; do
-  flags="${XLA_FLAGS:-}"
+  flags="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true"
   [ "$run" = graphs ] && flags="$flags $graphs"
   trace=(--trace "$traces/$run")
   [ "${TRACE:-yes}" = no ] && trace=()
-  XLA_FLAGS="$flags" timeout "${STAGE_LIMIT_S:-270}" python -m tools.benchmark "${common[@]}" "${trace[@]}" \
+  XLA_FLAGS="$flags" timeout -k 10 "${STAGE_LIMIT_S:-250}" python -m tools.benchmark "${common[@]}" "${trace[@]}" \
       --json "$out/gpu_h200_nonsync_$run.json" 2>&1 | tee "$out/gpu_h200_nonsync_$run.txt"
-  echo "$run stage ended at ${SECONDS} s" | tee -a "$out/gpu_nonsync.txt"
+  status=${PIPESTATUS[0]}  # 124: the stage ran out of time
+  echo "$run stage ended at ${SECONDS} s, exit status $status" | tee -a "$out/gpu_nonsync.txt"
+  # the newest raw trace, when under 15 MiB (what a device call brings back is at most 16 MiB a file)
+  newest=$(ls -t "$traces/$run"/*/plugins/profile/*/*.trace.json.gz 2>/dev/null | head -1)
+  [ -n "$newest" ] && [ "$(stat -c %s "$newest")" -lt 15728640 ] && cp "$newest" "$out/gpu_h200_nonsync_$run.trace.json.gz"
 done
 python -m tools.compare_nonsync "$out/gpu_h200_nonsync_default.json" "$out/gpu_h200_nonsync_graphs.json" \
     2>&1 | tee "$out/gpu_h200_nonsync_compare.txt"

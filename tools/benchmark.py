@@ -27,6 +27,7 @@ import os
 import platform
 import sys
 import time
+from functools import partial
 
 DEVICES = 8
 MESHES = {  # name -> make_mesh sizes
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = run_host_memory(sizes, reps, args.sync_period)
         print(format_host_memory(result["host_memory"]))
     elif args.nonsync:
-        result = run_nonsync(sizes, reps, args.sync_period, args.num_fragments, args.dtype, args.trace)
+        result = run_nonsync(sizes, reps, args.sync_period, args.num_fragments, args.dtype, args.trace,
+                             save=partial(_write_json, args.json) if args.json else lambda result: None)
         print(format_nonsync(result["nonsync"]))
     elif args.exchange_placement:
         result = run_exchange_placement(sizes, reps, args.sync_period, args.num_fragments)
@@ -166,10 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
                      dtype=args.dtype, with_sync_cost=not args.no_sync_cost)
         print(format_table(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        _write_json(args.json, result)
         print(f"wrote {args.json}")
     return result
+
+
+def _write_json(path: str, result: dict) -> None:
+    """`result` into `path`, whole or not at all (written beside it, then renamed)."""
+    with open(path + ".part", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(path + ".part", path)
 
 
 def run(sizes, meshes, reps, sync_period, num_fragments, amortized_blocks=2, backends=("shard_map",),
@@ -804,14 +812,15 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
 NONSYNC_MODES = ("plain", "diloco", "streaming")
 
 
-def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int, trace: str | None = None) -> dict:
+def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int, trace: str | None = None,
+            report=lambda out: None) -> dict:
     """Full-batch steps without a schedule event (DiLoCo and Streaming with V = 1, each run at
     t = 5) against the plain step: every repetition runs the three back to back, the first
     of them rotating, and each mode's result is the mean of its per-repetition ratios to
-    plain's with the 95% t-interval (the first repetition compiles and is dropped). With
-    `trace`, three more repetitions run under `jax.profiler` into that folder, each step in a
-    host annotation `mode_{mode}_{rep}` (`tools.trace_gaps` summarizes it)."""
-    import jax
+    plain's with the 95% t-interval (the first repetition compiles and is dropped). Then the
+    event check (`_event_check`), and with `trace` three more repetitions under
+    `jax.profiler` (`_traced`). `report(out)` gets the result after each of the three, so
+    a later phase that fails or runs out of time loses nothing already measured."""
     import numpy as np
     import optax
 
@@ -828,6 +837,22 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
     steps.update({m: [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
                   for m, cfg in cfgs.items()})
     placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
+    times = _nonsync_times(size, steps, placed, reps)
+    plain = times["plain"]
+    modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain)} for m in cfgs}
+    out = {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps}
+    print(format_nonsync({size.name: out}), file=sys.stderr, flush=True)
+    report(out)
+    out["events"] = {m: _event_check(model, cfg, steps[m], placed[m]) for m, cfg in cfgs.items()}
+    report(out)
+    if trace:
+        out.update(_traced(steps, placed, trace))
+        report(out)
+    return out
+
+
+def _nonsync_times(size, steps: dict, placed: dict, reps: int) -> dict[str, list[float]]:
+    """Each mode's step times over `reps` rotating repetitions after one that compiles."""
     times, start = {m: [] for m in NONSYNC_MODES}, time.perf_counter()
     for rep in range(reps + 1):
         turn = rep % len(NONSYNC_MODES)
@@ -838,16 +863,29 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
         if rep % max(reps // 4, 1) == 0:  # progress: a GPU process spends minutes before the first timed step
             print(f"{size.name} --nonsync: repetition {rep} of {reps} done at {time.perf_counter() - start:.0f} s",
                   file=sys.stderr, flush=True)
-    plain = times["plain"]
-    modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain)} for m in cfgs}
-    out = {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps,
-           "events": {m: _event_check(model, cfg, steps[m], placed[m]) for m, cfg in cfgs.items()}}
-    if trace:
-        with jax.profiler.trace(trace):
+    return times
+
+
+def _traced(steps: dict, placed: dict, folder: str) -> dict:
+    """Three repetitions of each mode under `jax.profiler` into `folder`, each step in a host
+    annotation `mode_{mode}_{rep}`: {"trace": `tools.trace_gaps` summary}, or, when tracing or
+    reading the trace fails, {"trace_error": what failed} (the timings stand either way)."""
+    import jax
+
+    from tools import trace_gaps
+
+    try:
+        with jax.profiler.trace(folder):
             for rep in range(3):
                 for m in NONSYNC_MODES:
                     _nonsync_step(steps[m], placed[m], m != "plain", f"mode_{m}_{rep}")
-    return out
+        found = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz")))
+        if not found:
+            raise FileNotFoundError(f"no *.trace.json.gz under {folder}/plugins/profile")
+        return {"trace": trace_gaps.summarize(found[-1])}
+    except Exception as e:  # noqa: BLE001 - a failed trace must not cost the measured timings
+        print(f"--trace: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return {"trace_error": f"{type(e).__name__}: {e}"}
 
 
 def _nonsync_step(state_and_step: list, batches, reset_t: bool, annotation: str | None = None) -> float:
@@ -872,9 +910,11 @@ def _nonsync_step(state_and_step: list, batches, reset_t: bool, annotation: str 
 def _event_check(model, cfg, state_and_step: list, batches) -> dict:
     """The steps that end at H_eff − 1 through H_eff + V, fragment 0's sync and its apply:
     after each, the largest difference between islands over fragment 0 (every parameter for
-    vanilla DiLoCo), and the outer model's Σ|θ| after the last. With α = 0 the apply makes
-    the islands' fragment 0 equal, so a spread of exactly 0 after the apply, and only then,
-    shows the event's loops ran on the device; Σ|θ| compares runs under other XLA flags."""
+    vanilla DiLoCo), the largest change of the outer model's fragment 0 in that step, and
+    the outer model's Σ|θ| after the last. With α = 0 the apply makes the islands' fragment 0
+    equal, and the outer fragment 0 moves in the step that applies it (its sync with V = 0,
+    its exchange with V = 1) and in no step before: both, exactly, show that the sync's and
+    the apply's loops ran on the device; Σ|θ| compares runs under other XLA flags."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -886,16 +926,19 @@ def _event_check(model, cfg, state_and_step: list, batches) -> dict:
     first = schedule.period - 1
     ends = list(range(first, schedule.period + cfg.overlap_steps + 1))
     state, step = state_and_step
-    state, spreads = _ending_at(state, first), []
+    state, spreads, moves = _ending_at(state, first), [], []
+    outer0 = lambda s: jax.tree.leaves(fragment0.take(eqx.filter(s.outer, eqx.is_inexact_array), 0))  # noqa: E731
     for _ in ends:
+        before = [np.asarray(x, np.float64) for x in outer0(state)]
         state, _ = step.step_placed(state, batches)
         part = fragment0.take(eqx.filter(state.inner_model, eqx.is_inexact_array), 0)
         spreads.append(max(float(jnp.max(jnp.abs(x - x[:1]))) for x in jax.tree.leaves(part)))
+        moves.append(max(float(np.max(np.abs(np.asarray(x, np.float64) - b))) for x, b in zip(outer0(state), before)))
     state_and_step[0] = state
     outer = sum(float(np.abs(np.asarray(x, np.float64)).sum())
                 for x in jax.tree.leaves(eqx.filter(state.outer, eqx.is_inexact_array)))
     return {"ends": ends, "applied_at": schedule.period + cfg.overlap_steps, "fragment0_spread": spreads,
-            "outer_abs_sum": outer}
+            "outer_fragment0_change": moves, "outer_abs_sum": outer}
 
 
 def _ratio_interval(a, b) -> dict:
@@ -904,23 +947,25 @@ def _ratio_interval(a, b) -> dict:
 
 
 def run_nonsync(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32",
-                trace: str | None = None) -> dict:
+                trace: str | None = None, save=lambda result: None) -> dict:
+    """`nonsync` per size; `save(result)` gets the whole result so far after each phase."""
     if trace is not None:
         import jax
 
         if jax.default_backend() == "cpu":
             raise SystemExit("--trace: needs an accelerator (XLA:CPU's trace has no device timeline to "
                              "summarize); this machine's backend is cpu")
-    out = {}
+    out, settings = {}, {**_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
+
+    def report(name, partial):
+        out[name] = partial
+        save({"nonsync": out, **settings})
+
     for size in sizes:
         folder = None if trace is None else os.path.join(trace, size.name)
-        out[size.name] = nonsync(_model(size, dtype), size, 2, sync_period, num_fragments, reps, folder)
-        if folder is not None:
-            from tools import trace_gaps
-
-            found = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz")))
-            out[size.name]["trace"] = trace_gaps.summarize(found[-1])
-    return {"nonsync": out, **_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
+        nonsync(_model(size, dtype), size, 2, sync_period, num_fragments, reps, folder,
+                report=partial(report, size.name))
+    return {"nonsync": out, **settings}
 
 
 def format_nonsync(result: dict) -> str:
@@ -932,13 +977,23 @@ def format_nonsync(result: dict) -> str:
                      f"{1e3 * c['plain_s']:.2f} ms): " + ", ".join(
                          f"{m} {r['ratio']:.4f} [{r['ratio_low']:.4f}, {r['ratio_high']:.4f}]"
                          for m, r in c["modes"].items()))
-        lines += [f"{size} events at t = {e['ends'][0]}..{e['ends'][-1]}, {m}: islands' largest difference over "
-                  f"fragment 0 after each step " + ", ".join(f"{d:.3g}" for d in e["fragment0_spread"])
-                  + f" (0 at the apply, t = {e['applied_at']}); outer Σ|θ| {e['outer_abs_sum']:.6g}"
-                  for m, e in c.get("events", {}).items()]
+        lines += [_format_events(size, m, e) for m, e in c.get("events", {}).items()]
         if "trace" in c:
             lines += [f"{size} traced steps (medians of 3):", trace_gaps.format_summary(c["trace"])]
+        if "trace_error" in c:
+            lines.append(f"{size} trace failed: {c['trace_error']}")
     return "\n".join(lines)
+
+
+def _format_events(size: str, mode: str, e: dict) -> str:
+    figures = lambda xs: ", ".join(f"{x:.3g}" for x in xs)  # noqa: E731
+    text = (f"{size} events at t = {e['ends'][0]}..{e['ends'][-1]}, {mode}: islands' largest difference over "
+            f"fragment 0 after each step {figures(e['fragment0_spread'])} (expected 0 at the apply, "
+            f"t = {e['applied_at']}, and only there)")
+    if "outer_fragment0_change" in e:
+        text += (f"; outer fragment 0's change in each step {figures(e['outer_fragment0_change'])} "
+                 f"(expected above 0 at t = {e['applied_at']} and only there)")
+    return text + f"; outer Σ|θ| {e['outer_abs_sum']:.6g}"
 
 
 def run_exchange_placement(sizes, reps: int, sync_period: int, num_fragments: int) -> dict:

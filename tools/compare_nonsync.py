@@ -8,7 +8,8 @@ no-event step's ratio to plain with its 95% interval and target 3's verdict on t
 traced steps' device-to-host copies (each a loop predicate read on the host) and their span
 over plain's, where the run was traced; and the event check: whether the islands' fragment 0
 agreed exactly after the apply and only then, and the outer model's Σ|θ| relative to the
-first run's. The runs are separate processes, so their ratios are compared, not paired.
+first run's. The runs are separate processes, so their ratios are compared, not paired. A
+run whose file cannot be read (a stage that failed) is named and the others compared.
 """
 
 from __future__ import annotations
@@ -41,9 +42,16 @@ def verdict(r: dict, line: float = LINE) -> str:
 
 
 def events_ran(e: dict) -> bool:
-    """Fragment 0 equal across islands after the apply (the last step) and after no step before."""
+    """Fragment 0 equal across islands after the apply (the last step) and after no step
+    before; and, where the run recorded it, the outer fragment 0 moved in the apply's step
+    (by its sync or exchange) and in no step before: an apply alone would equalize the
+    islands without a sync."""
     *before, after = e["fragment0_spread"]
-    return after == 0 and all(d > 0 for d in before)
+    applied = after == 0 and all(d > 0 for d in before)
+    if "outer_fragment0_change" not in e:
+        return applied
+    *still, moved = e["outer_fragment0_change"]
+    return applied and moved > 0 and all(d == 0 for d in still)
 
 
 def flags(result: dict) -> str:
@@ -69,6 +77,8 @@ def compare(runs: dict[str, dict]) -> str:
                 if mode in trace and "plain" in trace:
                     text += (f"; traced: {trace[mode]['d2h']:.0f} D2H, span − plain's "
                              f"{trace[mode]['span'] - trace['plain']['span']:.0f} us")
+                    if trace[mode].get("graphs_off"):
+                        text += f" (command buffers off for the profiler: {trace[mode]['graphs_off']:.0f})"
                 if mode in c.get("events", {}):
                     e, e0 = c["events"][mode], base.get("events", {}).get(mode)
                     text += f"; events {'ran' if events_ran(e) else 'DID NOT RUN as scheduled'}"
@@ -82,7 +92,17 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="JSON", help="`tools.benchmark --nonsync --json` outputs")
     args = parser.parse_args(argv)
-    text = compare({os.path.basename(p).removesuffix(".json"): load(p) for p in args.runs})
+    runs, missing = {}, []
+    for path in args.runs:  # a stage that failed or ran out of time leaves no JSON: compare the others
+        try:
+            runs[os.path.basename(path).removesuffix(".json")] = load(path)
+        except SystemExit as e:
+            if "cannot read" not in str(e):
+                raise
+            missing.append(str(e))
+    if not runs:
+        raise SystemExit("\n".join(missing))
+    text = "\n".join([*(f"{m} (not compared)" for m in missing), compare(runs)])
     print(text)
     return text
 

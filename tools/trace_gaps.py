@@ -11,6 +11,9 @@ host) and the gaps right after them, and the host's time after the last device e
 steps whose busy times agree but whose spans differ differ in how the host feeds the device,
 not in what the device computes. `--start-at NAME` begins each step at the last device event
 of that name inside its annotation (for annotations that also cover work before the step).
+A last column counts the host's notes inside the step that a command buffer ran kernel by
+kernel because the profiler was on: where it is above 0 the trace shows another program
+than the one timed without it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ import statistics
 from collections import defaultdict
 
 D2H = "MemcpyD2H"
+GRAPHS_OFF = ("CommandBuffer disabled when profiling", "(disabled for profiling)")
+"""Names XLA:GPU gives a command buffer (a CUDA graph) it runs kernel by kernel because a
+profiler is on (unless `--xla_enable_command_buffers_during_profiling=true`): such a trace
+does not show how the untraced step runs."""
 
 
 def load(path: str) -> tuple[list[dict], list[dict]]:
@@ -62,13 +69,16 @@ def step_summary(annotation: dict, device: list[dict], start_at: str | None = No
 
 
 def summarize(path: str, prefix: str = "mode_", start_at: str | None = None) -> dict[str, dict[str, float]]:
-    """Per mode, the median over its annotated steps of each `step_summary` figure."""
+    """Per mode, the median over its annotated steps of each `step_summary` figure and of
+    `graphs_off`, the host events inside the step that say a command buffer ran unrecorded."""
     events, device = load(path)
     steps = defaultdict(list)
     for a in events:
         if a["name"].startswith(prefix):
             mode = a["name"][len(prefix):].rsplit("_", 1)[0]
-            steps[mode].append(step_summary(a, device, start_at))
+            lo, hi = a["ts"], a["ts"] + a["dur"]
+            off = sum(lo <= e["ts"] < hi and any(n in e["name"] for n in GRAPHS_OFF) for e in events)
+            steps[mode].append(step_summary(a, device, start_at) | {"graphs_off": off})
     if not steps:
         raise ValueError(f"{path}: no host annotation starts with {prefix!r}")
     return {m: {k: statistics.median(s[k] for s in rows) for k in rows[0]} | {"steps": len(rows)}
@@ -78,11 +88,12 @@ def summarize(path: str, prefix: str = "mode_", start_at: str | None = None) -> 
 def format_summary(summary: dict[str, dict[str, float]], base: str | None = None) -> str:
     base = base if base in summary else next(iter(summary))
     lines = [f"{'mode':10s} {'busy ms':>9s} {'span ms':>9s} {'span-' + base:>12s} {'gaps us':>8s} "
-             f"{'D2H':>4s} {'after D2H us':>13s} {'host after us':>14s} {'events':>7s}"]
+             f"{'D2H':>4s} {'after D2H us':>13s} {'host after us':>14s} {'events':>7s} {'graphs off':>10s}"]
     for m, s in summary.items():
         lines.append(f"{m:10s} {s['busy'] / 1e3:9.3f} {s['span'] / 1e3:9.3f} "
                      f"{(s['span'] - summary[base]['span']):10.0f}us {s['gaps']:8.0f} {s['d2h']:4.0f} "
-                     f"{s['after_d2h']:13.0f} {s['host_after']:14.0f} {s['events']:7.0f}")
+                     f"{s['after_d2h']:13.0f} {s['host_after']:14.0f} {s['events']:7.0f} "
+                     f"{s.get('graphs_off', 0):10.0f}")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 It runs in a subprocess with XLA's normal optimization (the test suite's quick-compile
 mode would make the timed steps meaninglessly slow)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -140,6 +141,9 @@ def check_nonsync_json(result: dict) -> None:
             applied = {"diloco": 100, "streaming": 101}[mode]
             assert e["ends"] == list(range(99, applied + 1)) and e["applied_at"] == applied, (size, mode, e)
             assert e["fragment0_spread"][-1] == 0 and min(e["fragment0_spread"][:-1]) > 0, (size, mode, e)
+            if "outer_fragment0_change" in e:  # since the outer model's change is recorded too
+                *still, moved = e["outer_fragment0_change"]
+                assert moved > 0 and still == [0.0] * len(still), (size, mode, e)
             assert e["outer_abs_sum"] > 0
 
 
@@ -330,6 +334,45 @@ def test_nonsync_json(tmp_path):
     result = benchmark_json(tmp_path, "--nonsync", "--sizes", "1M", "--reps", "3")
     assert set(result["nonsync"]["1M"]["events"]) == {"diloco", "streaming"}
     check_nonsync_json(result)
+
+
+def test_a_nonsync_run_saves_the_json_as_each_phase_ends(tmp_path, monkeypatch):
+    """The timings are in the JSON once measured, then the events beside them; a later phase
+    that fails (a trace that crashes the process) leaves both, and never half a file."""
+    from tools import benchmark as B
+
+    path, seen = tmp_path / "n.json", []
+
+    def phases(model, size, k, sync_period, num_fragments, reps, trace, report):
+        for out in ({"modes": {"diloco": 1.004}}, {"modes": {"diloco": 1.004}, "events": {"diloco": [0.0]}}):
+            report(out)
+            seen.append(json.loads(path.read_text()))
+        raise RuntimeError("the trace crashed")
+
+    monkeypatch.setattr(B, "nonsync", phases)
+    monkeypatch.setattr(B, "_model", lambda size, dtype: None)
+    with pytest.raises(RuntimeError, match="the trace crashed"):
+        B.run_nonsync(B.SIZES[:1], 7, 100, 5, save=functools.partial(B._write_json, str(path)))
+    assert [r["nonsync"] for r in seen] == [{"1M": {"modes": {"diloco": 1.004}}},
+                                            {"1M": {"modes": {"diloco": 1.004}, "events": {"diloco": [0.0]}}}]
+    assert seen[-1]["settings"]["reps"] == 7 and json.loads(path.read_text()) == seen[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["n.json"]
+
+
+def test_a_failed_trace_is_recorded_not_raised(tmp_path):
+    """A step that fails under the profiler gives {"trace_error": ...}: the timings and
+    events measured before it stand."""
+    from tools import benchmark as B
+
+    class Failing:
+        def step_placed(self, state, batches):
+            raise RuntimeError("CUPTI went away")
+
+    steps = {m: [None, Failing()] for m in B.NONSYNC_MODES}
+    got = B._traced(steps, dict.fromkeys(B.NONSYNC_MODES), str(tmp_path / "trace"))
+    assert got == {"trace_error": "RuntimeError: CUPTI went away"}
+    assert B.format_nonsync({"1M": {"reps": 2, "plain_s": 0.1, "modes": {}, **got}}).splitlines()[-1] == \
+        "1M trace failed: RuntimeError: CUPTI went away"
 
 
 def check_orders_json(result: dict) -> None:

@@ -35,6 +35,16 @@ def test_events_ran_only_when_fragment_0_agrees_exactly_at_the_apply(spread, ran
     assert C.events_ran({"fragment0_spread": spread}) is ran
 
 
+@pytest.mark.parametrize("change, ran", [
+    ([0.0, 0.0, 3e-4], True),       # the outer fragment 0 moves in the apply's step only
+    ([0.0, 0.0, 0.0], False),       # never: the apply equalized the islands without a sync
+    ([0.0, 3e-4, 3e-4], False),     # a step early too: not the schedule's sync
+])
+def test_events_ran_only_when_the_outer_fragment_0_moves_at_the_apply(change, ran):
+    e = {"fragment0_spread": [0.008, 0.01, 0.0], "outer_fragment0_change": change}
+    assert C.events_ran(e) is ran
+
+
 def _committed():
     return json.loads((ROOT / "benchmarks" / "gpu_h200_nonsync.json").read_text())
 
@@ -50,7 +60,7 @@ def test_the_committed_h200_run_against_a_second_run_with_command_buffers():
     size = second["nonsync"]["100M"]
     size["modes"]["streaming"].update(ratio=1.004, ratio_low=1.002, ratio_high=1.006)
     size["trace"] = {"plain": {"d2h": 0, "span": 120_000.0}, "diloco": {"d2h": 0, "span": 120_100.0},
-                     "streaming": {"d2h": 0, "span": 120_250.0}}
+                     "streaming": {"d2h": 0, "span": 120_250.0, "graphs_off": 2}}
     events = {"diloco": {"fragment0_spread": [0.01, 0.0], "outer_abs_sum": 200.5},
               "streaming": {"fragment0_spread": [0.01, 0.02, 0.03], "outer_abs_sum": 300.0}}
     size["events"] = events
@@ -66,7 +76,7 @@ def test_the_committed_h200_run_against_a_second_run_with_command_buffers():
     assert lines[6] == ("  diloco     1.0054 [1.0031, 1.0076] holding at 1.01; traced: 0 D2H, span − plain's "
                         "100 us; events ran, outer Σ|θ| ÷ first run's − 1 = +2.50e-03")
     assert lines[7] == ("  streaming  1.0040 [1.0020, 1.0060] holding at 1.01; traced: 0 D2H, span − plain's "
-                        "250 us; events DID NOT RUN as scheduled, outer Σ|θ| ÷ first run's − 1 = +0.00e+00")
+                        "250 us (command buffers off for the profiler: 2); events DID NOT RUN as scheduled, outer Σ|θ| ÷ first run's − 1 = +0.00e+00")
 
 
 def test_a_json_of_another_section_is_refused_by_name(tmp_path):
@@ -76,11 +86,22 @@ def test_a_json_of_another_section_is_refused_by_name(tmp_path):
         C.main([str(tmp_path / "absent.json")])
 
 
+def test_a_run_that_left_no_json_is_named_and_the_others_compared(tmp_path, capsys):
+    text = C.main([str(tmp_path / "graphs.json"), str(ROOT / "benchmarks" / "gpu_h200_nonsync.json")])
+    lines = text.splitlines()
+    assert lines[0].startswith(f"compare_nonsync: cannot read {tmp_path / 'graphs.json'}") and \
+        lines[0].endswith("(not compared)")
+    assert lines[1] == "gpu_h200_nonsync: XLA flags (default); ?, jax 0.11.2"
+    assert lines[3].split(";")[0] == "  diloco     1.0054 [1.0031, 1.0076] holding at 1.01"
+    assert capsys.readouterr().out == text + "\n"
+
+
 @pytest.mark.slow
 def test_the_prepared_gpu_script_runs_on_the_cpu(tmp_path):
     """benchmarks/gpu_h200_nonsync.sh with the 1M model in float32, 2 pairs and no trace: both
     runs write their JSON (the second under the command-buffer flag, which XLA parses on a
-    CPU too), every event runs as scheduled in both, and both give the same outer model."""
+    CPU too), every event runs as scheduled in both (the outer fragment 0 moving in the
+    apply's step only), and both give the same outer model."""
     env = {**os.environ, "SIZE": "1M", "DTYPE": "float32", "REPS": "2", "TRACE": "no", "XLA_FLAGS": "",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the script's `python`
     done = subprocess.run(["bash", "benchmarks/gpu_h200_nonsync.sh", str(tmp_path)], cwd=ROOT, env=env,
@@ -88,11 +109,14 @@ def test_the_prepared_gpu_script_runs_on_the_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     runs = {r: json.loads((tmp_path / f"gpu_h200_nonsync_{r}.json").read_text()) for r in ("default", "graphs")}
     assert "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" in runs["graphs"]["machine"]["xla_flags"]
-    assert "command_buffer" not in runs["default"]["machine"]["xla_flags"]
+    assert "--xla_gpu_enable_command_buffer" not in runs["default"]["machine"]["xla_flags"]
+    # both keep command buffers on under the profiler, so their traces show the timed program
+    assert all("--xla_enable_command_buffers_during_profiling=true" in r["machine"]["xla_flags"]
+               for r in runs.values())
     for r in runs.values():
         events = r["nonsync"]["1M"]["events"]
         assert events["diloco"]["ends"] == [99, 100] and events["streaming"]["ends"] == [99, 100, 101]
-        assert all(C.events_ran(e) for e in events.values())
+        assert all(C.events_ran(e) and "outer_fragment0_change" in e for e in events.values())
     assert {m: e["outer_abs_sum"] for m, e in runs["graphs"]["nonsync"]["1M"]["events"].items()} == \
         {m: e["outer_abs_sum"] for m, e in runs["default"]["nonsync"]["1M"]["events"].items()}
     text = (tmp_path / "gpu_h200_nonsync_compare.txt").read_text()

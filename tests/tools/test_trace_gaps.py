@@ -39,9 +39,10 @@ def test_busy_span_gaps_and_reads_per_mode(tmp_path):
     ])
     got = trace_gaps.summarize(path)
     assert got["plain"] == {"busy": 68.0, "span": 75.0, "gaps": 7.0, "d2h": 0.5, "after_d2h": 2.0,
-                            "host_after": 15.0, "events": 2.5, "steps": 2}
+                            "host_after": 15.0, "events": 2.5, "graphs_off": 0,
+                            "steps": 2}
     assert got["s"] == {"busy": 23, "span": 38, "gaps": 15, "d2h": 0, "after_d2h": 0, "host_after": 60,
-                        "events": 3, "steps": 1}
+                        "events": 3, "graphs_off": 0, "steps": 1}
     table = trace_gaps.format_summary(got).splitlines()
     assert table[1].split()[:4] == ["plain", "0.068", "0.075", "0us"]
     assert table[2].split()[:4] == ["s", "0.023", "0.038", "-37us"]
@@ -74,3 +75,18 @@ def test_overlapping_events_count_once(tmp_path):
                              _x(DEVICE, "k2", 40, 20), _x(DEVICE, "MemcpyD2H", 62, 1), _x(DEVICE, "k3", 70, 10)])
     got = trace_gaps.summarize(path)["a"]
     assert (got["busy"], got["span"], got["gaps"], got["after_d2h"], got["host_after"]) == (61, 70, 9, 7, 20)
+
+
+def test_command_buffers_run_unrecorded_under_the_profiler_are_counted(tmp_path):
+    """XLA:GPU's two notes that a command buffer ran kernel by kernel for the profiler: two
+    in a_0, one in a_1 (median 1.5), none in b_0; a note outside every step counts nowhere."""
+    warn, off = "WARNING: CommandBuffer disabled when profiling", "command_buffer (disabled for profiling)"
+    path = _trace(tmp_path, [
+        _x(HOST, "mode_a_0", 0, 100), _x(HOST, warn, 5, 1), _x(HOST, off, 7, 1), _x(DEVICE, "k", 10, 10),
+        _x(HOST, "mode_a_1", 200, 100), _x(HOST, off, 205, 1), _x(DEVICE, "k", 210, 10),
+        _x(HOST, "mode_b_0", 400, 100), _x(HOST, "command_buffer", 405, 1), _x(DEVICE, "k", 410, 10),
+        _x(HOST, warn, 600, 1),
+    ])
+    got = trace_gaps.summarize(path)
+    assert (got["a"]["graphs_off"], got["b"]["graphs_off"]) == (1.5, 0)
+    assert trace_gaps.format_summary(got).splitlines()[1].split()[-1] == "2"
