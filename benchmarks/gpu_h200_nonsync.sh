@@ -18,8 +18,8 @@
 # side by side: each ratio with its verdict, the device-to-host copies per traced step (0
 # once the loops stay on the device), and whether the events still ran, with the outer
 # model's Σ|θ| against the first run. GRAPH_FLAGS replaces the second run's command-buffer
-# flags: repeat +WHILE,+CONDITIONAL in it (e.g. GRAPH_FLAGS="--xla_gpu_enable_command_buffer=
-# +WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1" if the reads remain).
+# flags: repeat +WHILE,+CONDITIONAL in it, e.g. if the reads remain:
+#   GRAPH_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-.}}"
@@ -34,14 +34,16 @@ cat "$out/gpu_nonsync.txt"
 common=(--nonsync --sizes "${SIZE:-100M}" --dtype "${DTYPE:-bfloat16}" --reps "${REPS:-80}")
 graphs="${GRAPH_FLAGS:---xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL}"
 for run in default graphs; do
+  rm -rf "$traces/$run" "$out/gpu_h200_nonsync_$run".*  # nothing of an earlier run passes for this one's
   flags="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true"
   [ "$run" = graphs ] && flags="$flags $graphs"
   trace=(--trace "$traces/$run")
   [ "${TRACE:-yes}" = no ] && trace=()
   XLA_FLAGS="$flags" timeout -k 10 "${STAGE_LIMIT_S:-250}" python -m tools.benchmark "${common[@]}" "${trace[@]}" \
       --json "$out/gpu_h200_nonsync_$run.json" 2>&1 | tee "$out/gpu_h200_nonsync_$run.txt"
-  status=${PIPESTATUS[0]}  # 124: the stage ran out of time
+  status=${PIPESTATUS[0]}  # 124 or 137: the stage ran out of time
   echo "$run stage ended at ${SECONDS} s, exit status $status" | tee -a "$out/gpu_nonsync.txt"
+  rm -f "$out"/*.part  # a JSON cut off mid-write (its previous phase's stands)
   # the newest raw trace, when under 15 MiB (what a device call brings back is at most 16 MiB a file)
   newest=$(ls -t "$traces/$run"/*/plugins/profile/*/*.trace.json.gz 2>/dev/null | head -1)
   [ -n "$newest" ] && [ "$(stat -c %s "$newest")" -lt 15728640 ] && cp "$newest" "$out/gpu_h200_nonsync_$run.trace.json.gz"

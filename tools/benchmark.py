@@ -819,8 +819,8 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
     of them rotating, and each mode's result is the mean of its per-repetition ratios to
     plain's with the 95% t-interval (the first repetition compiles and is dropped). Then the
     event check (`_event_check`), and with `trace` three more repetitions under
-    `jax.profiler` (`_traced`). `report(out)` gets the result after each of the three, so
-    a later phase that fails or runs out of time loses nothing already measured."""
+    `jax.profiler` (`_traced`). `report(out)` gets the result after each phase, so a later
+    phase that fails or runs out of time loses nothing already measured."""
     import numpy as np
     import optax
 
@@ -874,14 +874,16 @@ def _traced(steps: dict, placed: dict, folder: str) -> dict:
 
     from tools import trace_gaps
 
+    pattern = os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz")
+    earlier = set(glob.glob(pattern))  # a reused folder's traces are not this run's
     try:
         with jax.profiler.trace(folder):
             for rep in range(3):
                 for m in NONSYNC_MODES:
                     _nonsync_step(steps[m], placed[m], m != "plain", f"mode_{m}_{rep}")
-        found = sorted(glob.glob(os.path.join(folder, "plugins", "profile", "*", "*.trace.json.gz")))
+        found = sorted(set(glob.glob(pattern)) - earlier)
         if not found:
-            raise FileNotFoundError(f"no *.trace.json.gz under {folder}/plugins/profile")
+            raise FileNotFoundError(f"no new *.trace.json.gz under {folder}/plugins/profile")
         return {"trace": trace_gaps.summarize(found[-1])}
     except Exception as e:  # noqa: BLE001 - a failed trace must not cost the measured timings
         print(f"--trace: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -957,14 +959,14 @@ def run_nonsync(sizes, reps: int, sync_period: int, num_fragments: int, dtype: s
                              "summarize); this machine's backend is cpu")
     out, settings = {}, {**_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
 
-    def report(name, partial):
-        out[name] = partial
+    def report(name, result):
+        out[name] = result
         save({"nonsync": out, **settings})
 
     for size in sizes:
         folder = None if trace is None else os.path.join(trace, size.name)
-        nonsync(_model(size, dtype), size, 2, sync_period, num_fragments, reps, folder,
-                report=partial(report, size.name))
+        out[size.name] = nonsync(_model(size, dtype), size, 2, sync_period, num_fragments, reps, folder,
+                                 report=partial(report, size.name))
     return {"nonsync": out, **settings}
 
 

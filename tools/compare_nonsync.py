@@ -6,9 +6,11 @@ Per run, its XLA flags (the simulated-device count left out); then per size and 
 no-event step's ratio to plain with its 95% interval and target 3's verdict on the 1% line
 (holding: the whole interval below 1.01; contradicted: above it; unresolved: across it); the
 traced steps' device-to-host copies (each a loop predicate read on the host) and their span
-over plain's, where the run was traced; and the event check: whether the islands' fragment 0
-agreed exactly after the apply and only then, and the outer model's Σ|θ| relative to the
-first run's. The runs are separate processes, so their ratios are compared, not paired. A
+over plain's, where the run was traced (with the steps' notes of command buffers run kernel
+by kernel for the profiler, where there are any, or why the trace failed); and the event
+check: whether the islands' fragment 0 agreed exactly after the apply and only then, and
+the outer fragment 0 moved in that step and not before, and the outer model's Σ|θ|
+relative to the first run's. The runs are separate processes, so their ratios are compared, not paired. A
 run whose file cannot be read (a stage that failed) is named and the others compared.
 """
 
@@ -78,7 +80,9 @@ def compare(runs: dict[str, dict]) -> str:
                     text += (f"; traced: {trace[mode]['d2h']:.0f} D2H, span − plain's "
                              f"{trace[mode]['span'] - trace['plain']['span']:.0f} us")
                     if trace[mode].get("graphs_off"):
-                        text += f" (command buffers off for the profiler: {trace[mode]['graphs_off']:.0f})"
+                        text += f" (command buffers off for the profiler: {trace[mode]['graphs_off']:g})"
+                elif "trace_error" in c:
+                    text += f"; trace failed: {c['trace_error']}"
                 if mode in c.get("events", {}):
                     e, e0 = c["events"][mode], base.get("events", {}).get(mode)
                     text += f"; events {'ran' if events_ran(e) else 'DID NOT RUN as scheduled'}"

@@ -26,9 +26,10 @@ from collections import defaultdict
 
 D2H = "MemcpyD2H"
 GRAPHS_OFF = ("CommandBuffer disabled when profiling", "(disabled for profiling)")
-"""Names XLA:GPU gives a command buffer (a CUDA graph) it runs kernel by kernel because a
-profiler is on (unless `--xla_enable_command_buffers_during_profiling=true`): such a trace
-does not show how the untraced step runs."""
+"""Host events by which XLA:GPU notes a command buffer (a CUDA graph) run kernel by kernel
+because a profiler is on (unless `--xla_enable_command_buffers_during_profiling=true`): the
+first as it runs one, the second in the name of one compiled under the profiler. Such a
+trace does not show how the untraced step runs."""
 
 
 def load(path: str) -> tuple[list[dict], list[dict]]:
@@ -72,12 +73,14 @@ def summarize(path: str, prefix: str = "mode_", start_at: str | None = None) -> 
     """Per mode, the median over its annotated steps of each `step_summary` figure and of
     `graphs_off`, the host events inside the step that say a command buffer ran unrecorded."""
     events, device = load(path)
+    on_device = {id(e) for e in device}
+    host = [e for e in events if id(e) not in on_device]
     steps = defaultdict(list)
     for a in events:
         if a["name"].startswith(prefix):
             mode = a["name"][len(prefix):].rsplit("_", 1)[0]
             lo, hi = a["ts"], a["ts"] + a["dur"]
-            off = sum(lo <= e["ts"] < hi and any(n in e["name"] for n in GRAPHS_OFF) for e in events)
+            off = sum(lo <= e["ts"] < hi and any(n in e["name"] for n in GRAPHS_OFF) for e in host)
             steps[mode].append(step_summary(a, device, start_at) | {"graphs_off": off})
     if not steps:
         raise ValueError(f"{path}: no host annotation starts with {prefix!r}")
@@ -93,7 +96,7 @@ def format_summary(summary: dict[str, dict[str, float]], base: str | None = None
         lines.append(f"{m:10s} {s['busy'] / 1e3:9.3f} {s['span'] / 1e3:9.3f} "
                      f"{(s['span'] - summary[base]['span']):10.0f}us {s['gaps']:8.0f} {s['d2h']:4.0f} "
                      f"{s['after_d2h']:13.0f} {s['host_after']:14.0f} {s['events']:7.0f} "
-                     f"{s.get('graphs_off', 0):10.0f}")
+                     f"{s.get('graphs_off', 0):10g}")
     return "\n".join(lines)
 
 

@@ -332,7 +332,8 @@ def test_sync_cost_only_json_with_the_sequential_order(tmp_path):
 @pytest.mark.slow
 def test_nonsync_json(tmp_path):
     result = benchmark_json(tmp_path, "--nonsync", "--sizes", "1M", "--reps", "3")
-    assert set(result["nonsync"]["1M"]["events"]) == {"diloco", "streaming"}
+    events = result["nonsync"]["1M"]["events"]
+    assert set(events) == {"diloco", "streaming"} and all("outer_fragment0_change" in e for e in events.values())
     check_nonsync_json(result)
 
 
@@ -357,6 +358,17 @@ def test_a_nonsync_run_saves_the_json_as_each_phase_ends(tmp_path, monkeypatch):
                                             {"1M": {"modes": {"diloco": 1.004}, "events": {"diloco": [0.0]}}}]
     assert seen[-1]["settings"]["reps"] == 7 and json.loads(path.read_text()) == seen[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["n.json"]
+
+
+def test_the_event_check_is_printed_with_what_each_figure_should_be():
+    from tools import benchmark as B
+
+    e = {"ends": [99, 100, 101], "applied_at": 101, "fragment0_spread": [0.00801, 0.01, 0.0],
+         "outer_fragment0_change": [0.0, 0.0, 0.00667], "outer_abs_sum": 11673.1}
+    assert B._format_events("1M", "streaming", e) == (
+        "1M events at t = 99..101, streaming: islands' largest difference over fragment 0 after each step "
+        "0.00801, 0.01, 0 (expected 0 at the apply, t = 101, and only there); outer fragment 0's change in each "
+        "step 0, 0, 0.00667 (expected above 0 at t = 101 and only there); outer Σ|θ| 11673.1")
 
 
 def test_a_failed_trace_is_recorded_not_raised(tmp_path):

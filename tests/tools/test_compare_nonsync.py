@@ -79,6 +79,13 @@ def test_the_committed_h200_run_against_a_second_run_with_command_buffers():
                         "250 us (command buffers off for the profiler: 2); events DID NOT RUN as scheduled, outer Σ|θ| ÷ first run's − 1 = +0.00e+00")
 
 
+def test_a_failed_trace_is_named_beside_the_ratio():
+    run = _committed()
+    run["nonsync"]["100M"]["trace_error"] = "RuntimeError: CUPTI went away"
+    lines = C.compare({"graphs": run}).splitlines()
+    assert lines[2] == "  diloco     1.0054 [1.0031, 1.0076] holding at 1.01; trace failed: RuntimeError: CUPTI went away"
+
+
 def test_a_json_of_another_section_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match=r"gpu_h200\.json is not a `tools.benchmark --nonsync` JSON"):
         C.main([str(ROOT / "benchmarks" / "gpu_h200.json"), str(ROOT / "benchmarks" / "gpu_h200_nonsync.json")])

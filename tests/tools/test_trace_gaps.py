@@ -79,14 +79,15 @@ def test_overlapping_events_count_once(tmp_path):
 
 def test_command_buffers_run_unrecorded_under_the_profiler_are_counted(tmp_path):
     """XLA:GPU's two notes that a command buffer ran kernel by kernel for the profiler: two
-    in a_0, one in a_1 (median 1.5), none in b_0; a note outside every step counts nowhere."""
+    in a_0, one in a_1 (median 1.5), none in b_0; a note outside every step, or a device
+    event of that name, counts nowhere."""
     warn, off = "WARNING: CommandBuffer disabled when profiling", "command_buffer (disabled for profiling)"
     path = _trace(tmp_path, [
         _x(HOST, "mode_a_0", 0, 100), _x(HOST, warn, 5, 1), _x(HOST, off, 7, 1), _x(DEVICE, "k", 10, 10),
         _x(HOST, "mode_a_1", 200, 100), _x(HOST, off, 205, 1), _x(DEVICE, "k", 210, 10),
         _x(HOST, "mode_b_0", 400, 100), _x(HOST, "command_buffer", 405, 1), _x(DEVICE, "k", 410, 10),
-        _x(HOST, warn, 600, 1),
+        _x(HOST, warn, 600, 1), _x(DEVICE, warn, 411, 1),
     ])
     got = trace_gaps.summarize(path)
     assert (got["a"]["graphs_off"], got["b"]["graphs_off"]) == (1.5, 0)
-    assert trace_gaps.format_summary(got).splitlines()[1].split()[-1] == "2"
+    assert trace_gaps.format_summary(got).splitlines()[1].split()[-1] == "1.5"
