@@ -8,10 +8,10 @@ no-event step's ratio to plain with its 95% interval and target 3's verdict on t
 traced steps' device-to-host copies (each a loop predicate read on the host) and their span
 over plain's, where the run was traced (with the steps' notes of command buffers run kernel
 by kernel for the profiler, where there are any, or why the trace failed); and the event
-check: whether the islands' fragment 0 agreed exactly after the apply and only then, and
-the outer fragment 0 moved in that step and not before, and the outer model's Σ|θ|
-relative to the first run's. The runs are separate processes, so their ratios are compared, not paired. A
-run whose file cannot be read (a stage that failed) is named and the others compared.
+check: whether the islands' fragment 0 agreed exactly after the apply and only then, and the
+outer fragment 0 moved in that step and not before, and the outer model's Σ|θ| relative to
+the first run's. The runs are separate processes, so their ratios are compared, not paired.
+A run whose file cannot be read (a stage that failed) is named and the others compared.
 """
 
 from __future__ import annotations
@@ -24,13 +24,18 @@ LINE = 1.01
 """Target 3: a step without an event within 1% of plain's."""
 
 
+class Unreadable(SystemExit):
+    """A run's file is missing or not JSON: the stage that writes it failed."""
+
+
 def load(path: str) -> dict:
-    """A `--nonsync` JSON, or SystemExit naming the file and what it lacks."""
+    """A `--nonsync` JSON, or SystemExit naming the file and what it lacks (`Unreadable`
+    where there is no file to read)."""
     try:
         with open(path) as f:
             result = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"compare_nonsync: cannot read {path}: {e}") from None
+        raise Unreadable(f"compare_nonsync: cannot read {path}: {e}") from None
     if "nonsync" not in result:
         raise SystemExit(f"compare_nonsync: {path} is not a `tools.benchmark --nonsync` JSON "
                          f"(it has {sorted(result)}, no 'nonsync')")
@@ -100,9 +105,7 @@ def main(argv: list[str] | None = None) -> str:
     for path in args.runs:  # a stage that failed or ran out of time leaves no JSON: compare the others
         try:
             runs[os.path.basename(path).removesuffix(".json")] = load(path)
-        except SystemExit as e:
-            if "cannot read" not in str(e):
-                raise
+        except Unreadable as e:
             missing.append(str(e))
     if not runs:
         raise SystemExit("\n".join(missing))
