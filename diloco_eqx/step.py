@@ -529,10 +529,9 @@ def apply_stage(plan: Plan, t, inner, inner_opt, outer, after=None, per_island: 
             inner, inner_opt = when(jnp.any(bad), 0, [reset], (inner, inner_opt), bad, o, pin=plan.pin_islands)
         return inner, inner_opt, bad
 
-    none = plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
     outer = outer if per_island else params(outer)
     return when(s.is_apply(t), s.fragment_at(t - s.overlap_steps), [partial(branch, f=f) for f in range(p)],
-                (inner, inner_opt, none), outer, *(() if finite is None else (finite,)),
+                (inner, inner_opt, no_reset(plan)), outer, *(() if finite is None else (finite,)),
                 pin=lambda out: (*plan.pin_islands(out[:2]), out[2]), after=after, zero=True)
 
 
@@ -546,17 +545,27 @@ def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tup
         inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches, t)
     if plan.delayed:
         return delayed_step(plan, s, t, inner, inner_opt, losses)
-    with jax.named_scope("diloco_sync"):
-        outer, outer_opt, residual, report, finite = sync_stage(plan, t, inner, s.outer, s.outer_opt_state,
-                                                                s.residual)
     # With V >= 1 the apply never reads the fragment synced in the same step, and an island
     # reset there takes the outer model without that sync (in the deferred form it is still
     # in flight): both forms apply from the outer model before this step's sync. With V = 0
     # the apply takes the sync's finding of which islands are finite instead of its own.
     same_step = plan.schedule.overlap_steps == 0
-    with jax.named_scope("diloco_apply"):
-        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer if same_step else s.outer,
-                                              finite=finite if same_step else None)
+
+    def events(c):
+        inner, inner_opt, outer, outer_opt, residual, _, _ = c
+        with jax.named_scope("diloco_sync"):
+            outer, outer_opt, residual, report, finite = sync_stage(plan, t, inner, outer, outer_opt, residual)
+        with jax.named_scope("diloco_apply"):
+            inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer if same_step else s.outer,
+                                                  finite=finite if same_step else None)
+        return inner, inner_opt, outer, outer_opt, residual, report, reset
+
+    def pin(c):
+        return (*plan.pin_islands(c[:2]), *pin_exchange(plan, c[2:5]), *c[5:])
+
+    _, _, _, report, _, _ = no_exchange(plan, s.outer, s.outer_opt_state, s.residual)
+    inner, inner_opt, outer, outer_opt, residual, report, reset = after_inner(
+        plan, t, events, (inner, inner_opt, s.outer, s.outer_opt_state, s.residual, report, no_reset(plan)), pin)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, s.pending)
     return new, StepReport(t, losses, report, reset)
 
@@ -572,12 +581,36 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
     with jax.named_scope("diloco_sync"):
         exchanged, (outer, outer_opt, residual, report, _) = exchange_stage(
             plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual, count=True, after=wait)
-    with jax.named_scope("diloco_stash"):
-        stashed, pending = stash_stage(plan, t, inner, outer, s.pending, after=exchanged)
-    with jax.named_scope("diloco_apply"):
-        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer, after=stashed)
+
+    def events(c):
+        pending, inner, inner_opt, _ = c
+        with jax.named_scope("diloco_stash"):
+            stashed, pending = stash_stage(plan, t, inner, outer, pending)
+        with jax.named_scope("diloco_apply"):
+            inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer, after=stashed)
+        return pending, inner, inner_opt, reset
+
+    def pin(c):
+        return plan.pin_stash(c[0]), *plan.pin_islands(c[1:3]), c[3]
+
+    pending, inner, inner_opt, reset = after_inner(plan, t, events, (s.pending, inner, inner_opt, no_reset(plan)),
+                                                   pin, after=exchanged)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, pending)
     return new, StepReport(t, losses, report, reset)
+
+
+def after_inner(plan: Plan, t, events: Callable, carry, pin: Callable, after=None):
+    """`events(carry)`, the schedule events that follow step t's inner step, inside one guard
+    loop on whether any of them fires at t (a sync or an apply): a step without an event
+    tests one predicate after its inner step, not one per event (on XLA:GPU each is a read
+    on the host, and the step's call returns only after the last). `after` as in `when`."""
+    s = plan.schedule
+    return when(s.is_sync(t) | s.is_apply(t), 0, [events], carry, pin=pin, after=after)
+
+
+def no_reset(plan: Plan) -> Bool[Array, " k"]:
+    """No island of this device reset: the apply's report on a step without one."""
+    return plan.islands.local(jnp.zeros((plan.islands.local_count,), bool))
 
 
 def delayed_step(plan: Plan, s: DiLoCoState, t, inner, inner_opt, losses) -> tuple[DiLoCoState, StepReport]:

@@ -289,18 +289,20 @@ def _top_level_loops(step, state, batch) -> int:
 
 @pytest.mark.parametrize("v", [0, 1])
 def test_an_event_tests_one_predicate_whatever_p(v):
-    """A step without events tests one predicate per event, whatever P (XLA:GPU reads each
-    loop's predicate on the host): the sync (or the exchange), its checked second pass, and
-    the apply, with its reset nested inside; at V = 1 also the stash. So 3 loops at V = 0
-    and 4 at V = 1, for P = 2 and 5; one loop per fragment (0e13d2e) gave 3·P + 1 and
-    4·P + 1, one guard per event with the reset beside the apply (e3d619f) 4 and 5."""
+    """A step without events tests few predicates, whatever P (XLA:GPU reads each top-level
+    loop's predicate on the host): the events after the inner step sit in one guard loop
+    (the sync with its checked second pass and the apply at V = 0; the stash and the apply
+    at V = 1), and at V = 1 the exchange and its checked second pass come before, so 1 loop
+    at V = 0 and 3 at V = 1, for P = 2 and 5. One loop per fragment (0e13d2e) gave 3·P + 1
+    and 4·P + 1, one guard per event with the reset beside the apply (e3d619f) 4 and 5,
+    one guard per event with the reset nested (ef3f368) 3 and 4."""
     model, inner = make_toy(4, 8), optax.adamw(1e-3)
     loops = {}
     for p in (2, 5):
         cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=10, streaming=True, num_fragments=p, overlap_steps=v)
         step = dl.make_train_step(cfg, toy_loss, inner)
         loops[p] = _top_level_loops(step, dl.init_state(model, inner, cfg), np.zeros((4, 8), np.float32))
-    want = 3 + v
+    want = 1 + 2 * v
     assert loops == {2: want, 5: want}, loops
 
 
@@ -320,4 +322,5 @@ def test_an_apply_reads_only_its_fragment_of_the_outer_model():
         if shape and name and shape.group(1) in stack and "/diloco_apply/" in name.group(1) \
                 and name.group(1).endswith("jit(_where)/select_n") and "vmap(jit(_where))" not in name.group(1):
             selects.append(name.group(1).count("schedule_event"))
-    assert selects and set(selects) == {2}, selects  # 2: the reset's event inside the apply's
+    # 3: the reset's event inside the apply's, inside the guard of the events after the inner step
+    assert selects and set(selects) == {3}, selects
