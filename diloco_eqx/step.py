@@ -563,7 +563,7 @@ def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tup
     def pin(c):
         return (*plan.pin_islands(c[:2]), *pin_exchange(plan, c[2:5]), *c[5:])
 
-    _, _, _, report, _, _ = no_exchange(plan, s.outer, s.outer_opt_state, s.residual)
+    report = SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
     inner, inner_opt, outer, outer_opt, residual, report, reset = after_inner(
         plan, t, events, (inner, inner_opt, s.outer, s.outer_opt_state, s.residual, report, no_reset(plan)), pin)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, s.pending)
