@@ -219,14 +219,6 @@ def _loop_variant(trip: Int[Array, ""], tree: PyTree) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-def finished(tree: PyTree) -> Int[Array, ""]:
-    """0 or 1, read from the first value of every floating-point leaf of `tree`: given to an
-    event as `after` (see `when`), it makes the event wait until all of `tree` is computed.
-    Where a body sees only its own islands, each of one device, the values read are local."""
-    firsts = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(params(tree))]
-    return jnp.isnan(sum(firsts, jnp.zeros((), jnp.float32))).astype(jnp.int32)
-
-
 # ---------------------------------------------------------------- the inner step
 
 
@@ -353,18 +345,18 @@ def pin_exchange(plan: Plan, out):
     return plan.pin_outer(outer), plan.pin_outer(outer_opt), plan.pin_islands(residual), *rest
 
 
-def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bool = False, after=None):
+def checked_again(plan: Plan, t, f, exchange: Callable, first, source, count: bool = False):
     """The sync event at step `t` (of fragment f(t), if t is a sync step), taken unchecked
     (lossless codecs), then, if it was not trusted, again checked (see `exchange_fragment`);
     `exchange(f, t, source, outer, outer_opt, residual, checked=)` is one fragment's. With
-    `count`, the trips of both; `after` as in `when`. The second pass is an event of its
-    own, not nested in the first's loop: nested, its temporaries joined the first's, and
-    where the deferred exchange is free to run beside the inner step (on an accelerator)
-    they met the activations (10M on CPU, allocated extra over the formula: 1.05 -> 1.23)."""
+    `count`, the trips of both. The second pass is an event of its own, not nested in the
+    first's loop: nested, its temporaries joined the first's, and where the deferred exchange
+    is free to run beside the inner step they met the activations (10M on CPU, allocated
+    extra over the formula: 1.05 -> 1.23)."""
     p, pin, predicate = plan.schedule.num_fragments, partial(pin_exchange, plan), plan.schedule.is_sync(t)
     lossless = plan.cfg.codec.lossless
     branches = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=not lossless) for f in range(p)]
-    ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True, after=after)
+    ran, out = when(predicate, f, branches, first, source, t, pin=pin, count=True)
     if lossless:
         again = [lambda c, src, t, f=f: exchange(f, t, src, *c[:3], checked=True) for f in range(p)]
         with jax.named_scope(RECHECK_SCOPE):
@@ -381,11 +373,11 @@ def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
     return out[:5]
 
 
-def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual, count: bool = False, after=None):
+def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual, count: bool = False):
     """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step
-    (with `count`, also its trip count; `after` as in `when`)."""
+    (with `count`, also its trip count)."""
     out = checked_again(plan, t_sync, plan.schedule.fragment_at(t_sync), partial(exchange_stashed, plan),
-                        no_exchange(plan, outer, outer_opt, residual), pending, count=count, after=after)
+                        no_exchange(plan, outer, outer_opt, residual), pending, count=count)
     return (out[0], out[1][:5]) if count else out[:5]
 
 
@@ -571,41 +563,55 @@ def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tup
 
 
 def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tuple[DiLoCoState, StepReport]:
-    """The exchange of the sync stashed in the previous step, which reads nothing of this
-    step's inner step (or, `exchange_after_inner`, waits for it), then the stash of this
-    step's sync, and the apply."""
+    """The exchange of the sync stashed in the previous step, then the stash of this step's
+    sync, and the apply. The exchange reads nothing of this step's inner step: free, it may
+    run beside it; with `exchange_after_inner` it joins the events after the inner step."""
     t = s.step + 1
     with jax.named_scope("inner_step"):
         inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches, t)
-    wait = finished(inner) if plan.exchange_after_inner else None
-    with jax.named_scope("diloco_sync"):
-        exchanged, (outer, outer_opt, residual, report, _) = exchange_stage(
-            plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual, count=True, after=wait)
+    report = SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
+    exchange = (s.outer, s.outer_opt_state, s.residual, report)
+    exchanged = None
+    if not plan.exchange_after_inner:
+        exchanged, exchange = exchange_step(plan, s.step, s.pending, *exchange[:3])
 
     def events(c):
-        pending, inner, inner_opt, _ = c
+        pending, inner, inner_opt, exchange, _ = c
+        after = exchanged
+        if plan.exchange_after_inner:
+            after, exchange = exchange_step(plan, s.step, pending, *exchange[:3])
+        outer = exchange[0]
         with jax.named_scope("diloco_stash"):
-            stashed, pending = stash_stage(plan, t, inner, outer, pending)
+            stashed, pending = stash_stage(plan, t, inner, outer, pending, after=after)
         with jax.named_scope("diloco_apply"):
             inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer, after=stashed)
-        return pending, inner, inner_opt, reset
+        return pending, inner, inner_opt, exchange, reset
 
     def pin(c):
-        return plan.pin_stash(c[0]), *plan.pin_islands(c[1:3]), c[3]
+        return plan.pin_stash(c[0]), *plan.pin_islands(c[1:3]), (*pin_exchange(plan, c[3][:3]), c[3][3]), c[4]
 
-    pending, inner, inner_opt, reset = after_inner(plan, t, events, (s.pending, inner, inner_opt, no_reset(plan)),
-                                                   pin, after=exchanged)
+    also = plan.schedule.is_sync(s.step) if plan.exchange_after_inner else False
+    pending, inner, inner_opt, (outer, outer_opt, residual, report), reset = after_inner(
+        plan, t, events, (s.pending, inner, inner_opt, exchange, no_reset(plan)), pin, after=exchanged, also=also)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, pending)
     return new, StepReport(t, losses, report, reset)
 
 
-def after_inner(plan: Plan, t, events: Callable, carry, pin: Callable, after=None):
+def exchange_step(plan: Plan, t_sync, pending, outer, outer_opt, residual):
+    """The deferred exchange of the sync stashed at `t_sync` (if it was one), with its checked
+    second pass: (trips run, (outer, outer optimizer states, residual, report))."""
+    with jax.named_scope("diloco_sync"):
+        ran, out = exchange_stage(plan, t_sync, pending, outer, outer_opt, residual, count=True)
+    return ran, out[:4]
+
+
+def after_inner(plan: Plan, t, events: Callable, carry, pin: Callable, after=None, also=False):
     """`events(carry)`, the schedule events that follow step t's inner step, inside one guard
-    loop on whether any of them fires at t (a sync or an apply): a step without an event
-    tests one predicate after its inner step, not one per event (on XLA:GPU each is a read
-    on the host, and the step's call returns only after the last). `after` as in `when`."""
+    loop on whether any of them fires at t (a sync or an apply, or `also`): a step without an
+    event tests one predicate after its inner step, not one per event (on XLA:GPU each is a
+    read on the host, and the step's call returns only after the last). `after` as in `when`."""
     s = plan.schedule
-    return when(s.is_sync(t) | s.is_apply(t), 0, [events], carry, pin=pin, after=after)
+    return when(s.is_sync(t) | s.is_apply(t) | also, 0, [events], carry, pin=pin, after=after)
 
 
 def no_reset(plan: Plan) -> Bool[Array, " k"]:
@@ -760,8 +766,8 @@ def make_train_step(
     axis, every cross-island collective written out) or "drjax" (MaxText's formulation:
     drjax's map and reduce under plain jit, collectives chosen by GSPMD); same numbers, same
     state. `exchange_after_inner` makes the deferred exchange wait for the inner step (default:
-    on XLA:CPU with islands of one device, see `exchange_waits_by_default`); the numbers do not
-    change.
+    without a mesh, and on XLA:CPU with islands of one device, see `exchange_waits_by_default`);
+    the numbers do not change.
     """
     if deferred is None:
         deferred = cfg.streaming and cfg.overlap_steps >= 1
@@ -784,15 +790,19 @@ def make_train_step(
 
 
 def exchange_waits_by_default(mesh: Mesh | None, backend: str = "shard_map") -> bool:
-    """Whether a deferred exchange waits for the inner step unless told: on XLA:CPU, with
-    islands of one device whose values the step's body reads where they live.
+    """Whether a deferred exchange waits for the inner step unless told: with every island
+    on one device (no mesh), and on XLA:CPU with islands of one device whose values the
+    step's body reads where they live.
 
-    XLA:CPU's default instruction order runs the exchange between the forward and backward
-    passes, where the saved activations are live, and lays out its temporaries beside them:
-    the step's block of temporaries grew by up to the stash's size (30M parameters) although
-    at its peak it holds only the stash. After the inner step they reuse the activations'
-    space. On an accelerator the exchange stays free to run under the inner step. Waiting
-    reads the first value of each island's leaves (`finished`): on islands of several devices,
-    or under drjax, whose body sees every island, that read would cross devices on every step."""
+    Waiting, the exchange and its checked second pass join the events after the inner step
+    in one guard loop, so a step without an event tests one loop predicate, not three (XLA:GPU
+    reads each on the host). Without a mesh nothing crosses devices, so a free exchange has
+    no transfer to hide under the inner step. XLA:CPU's default instruction order runs a free
+    exchange between the forward and backward passes, where the saved activations are live,
+    and lays out its temporaries beside them: the step's block of temporaries grew by up to
+    the stash's size (30M parameters) although at its peak it holds only the stash; after
+    the inner step they reuse the activations' space. On islands of several devices, under
+    drjax, and on an accelerator's mesh, the exchange stays free, so that its collective may
+    run beside the inner step."""
     local = mesh is None or (backend == "shard_map" and mesh_lib.island_size(mesh) == 1)
-    return compiler.platform(mesh) == "cpu" and local
+    return mesh is None or (compiler.platform(mesh) == "cpu" and local)

@@ -809,14 +809,16 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
     return {"params": n, "plain_resident_bytes": plain_bytes, "memory": memory, "times": timing, "reps": reps}
 
 
-NONSYNC_MODES = ("plain", "diloco", "streaming")
+NONSYNC_MODES = ("plain", "diloco", "streaming", "streaming_free")
 
 
 def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int, trace: str | None = None,
             report=lambda out: None) -> dict:
     """Full-batch steps without a schedule event (DiLoCo and Streaming with V = 1, each run at
-    t = 5) against the plain step: every repetition runs the three back to back, the first
-    of them rotating, and each mode's result is the mean of its per-repetition ratios to
+    t = 5) against the plain step: Streaming as built by default (its exchange waits for the
+    inner step here, where the islands share one device) and with its exchange free
+    ("streaming_free", as on an island mesh). Every repetition runs the four back to back,
+    the first of them rotating, and each mode's result is the mean of its per-repetition ratios to
     plain's with the 95% t-interval (the first repetition compiles and is dropped). Then the
     event check (`_event_check`), and with `trace` three more repetitions under
     `jax.profiler` (`_traced`). `report(out)` gets the result after each phase, so a later
@@ -830,16 +832,20 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
 
     inner = optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
-    cfgs = {"diloco": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period),
-            "streaming": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
-                                         num_fragments=num_fragments, overlap_steps=1)}
+    streaming = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period, streaming=True,
+                                num_fragments=num_fragments, overlap_steps=1)
+    cfgs = {"diloco": dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period), "streaming": streaming,
+            "streaming_free": streaming}
     steps = {"plain": list(make_plain_step(model, loss_fn, inner, k))}
-    steps.update({m: [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
-                  for m, cfg in cfgs.items()})
+    for m, cfg in cfgs.items():
+        after = False if m == "streaming_free" else None
+        steps[m] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner, exchange_after_inner=after)]
     placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
     times = _nonsync_times(size, steps, placed, reps)
     plain = times["plain"]
-    modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain)} for m in cfgs}
+    modes = {m: {"median_s": float(np.median(times[m])), **_ratio_interval(times[m], plain),
+                 **({"exchange_after_inner": steps[m][1].plan.exchange_after_inner} if cfgs[m].streaming else {})}
+             for m in cfgs}
     out = {"params": count_params(model), "plain_s": float(np.median(plain)), "modes": modes, "reps": reps}
     print(format_nonsync({size.name: out}), file=sys.stderr, flush=True)
     report(out)

@@ -79,7 +79,7 @@ def compare(runs: dict[str, dict]) -> str:
             lines.append(f"{size} {name}: plain {1e3 * c['plain_s']:.2f} ms, {c['reps']} pairs")
             trace = c.get("trace", {})
             for mode, m in c["modes"].items():
-                text = (f"  {mode:10s} {m['ratio']:.4f} [{m['ratio_low']:.4f}, {m['ratio_high']:.4f}] "
+                text = (f"  {mode:14s} {m['ratio']:.4f} [{m['ratio_low']:.4f}, {m['ratio_high']:.4f}] "
                         f"{verdict(m)} at {LINE}")
                 if mode in trace and "plain" in trace:
                     text += (f"; traced: {trace[mode]['d2h']:.0f} D2H, span − plain's "

@@ -23,8 +23,9 @@ def test_deferred_equals_direct(order, v):
     data = batches(18)
     inner = optax.adamw(0.01)
     direct_losses, direct = run_jax(cfg, inner, data, deferred=False)
-    for mesh in (None, dl.make_mesh(2)):
-        losses, deferred = run_jax(cfg, inner, data, mesh=mesh, deferred=True)
+    # the exchange waiting for the inner step (CPU's default) and free (an accelerator's)
+    for mesh, after in ((None, True), (None, False), (dl.make_mesh(2), None)):
+        losses, deferred = run_jax(cfg, inner, data, mesh=mesh, deferred=True, exchange_after_inner=after)
         np.testing.assert_allclose(losses, direct_losses, rtol=1e-6, atol=1e-6)
         for name, want in toy_to_numpy(direct.outer_model).items():
             np.testing.assert_allclose(toy_to_numpy(deferred.outer_model)[name], want, rtol=1e-6, atol=1e-7)
@@ -85,6 +86,20 @@ def test_cpu_default_exchange_waits_for_the_inner_step(mesh, backend, waits):
     assert deps and set(deps.values()) == (set(direct.values()) if waits else {0})
     assert min(direct.values()) > 0
     assert analysis(True, None, mesh, backend).inner_step_depends_on_collective() == set()
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_without_a_mesh_the_exchange_waits_on_every_platform(platform, monkeypatch):
+    """With every island on one device nothing crosses devices, so the deferred exchange
+    waits for the inner step on any platform (one loop predicate for a step without an
+    event); on a mesh an accelerator keeps it free, for its collective to run beside the
+    inner step, and XLA:CPU has it wait where its islands are of one device."""
+    from diloco_eqx import compiler, step as step_lib
+
+    monkeypatch.setattr(compiler, "platform", lambda mesh: platform)
+    assert step_lib.exchange_waits_by_default(None)
+    assert step_lib.exchange_waits_by_default(dl.make_mesh(2)) == (platform == "cpu")
+    assert not step_lib.exchange_waits_by_default(dl.make_mesh(2), backend="drjax")
 
 
 def test_exchange_after_inner_needs_the_deferred_form():

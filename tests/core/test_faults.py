@@ -135,6 +135,7 @@ RESET_MODES = {
     "vanilla": dict(sync_period=3),
     "streaming_v0": dict(streaming=True, sync_period=6, num_fragments=3),
     "streaming_v2": dict(streaming=True, sync_period=6, num_fragments=3, overlap_steps=2, alpha=0.5),
+    "streaming_v2_free": dict(streaming=True, sync_period=6, num_fragments=3, overlap_steps=2, alpha=0.5),
 }
 
 
@@ -149,7 +150,8 @@ def test_non_finite_island_is_reset_and_rejoins_under_adamw(mode):
     data[4] = data[4].copy()
     data[4][4:] = np.nan
     state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    # "_free": the deferred exchange free of the inner step, as on an accelerator
+    step = dl.make_train_step(cfg, toy_loss, inner, exchange_after_inner=False if mode.endswith("_free") else None)
     losses, resets, contributed = [], {}, {}
     for x in data:
         state, m = step(state, x)

@@ -287,22 +287,24 @@ def _top_level_loops(step, state, batch) -> int:
     return loops(entry)
 
 
-@pytest.mark.parametrize("v", [0, 1])
-def test_an_event_tests_one_predicate_whatever_p(v):
+@pytest.mark.parametrize("v, after_inner, want", [(0, None, 1), (1, True, 1), (1, False, 3)],
+                         ids=["v0", "v1-waiting", "v1-free"])
+def test_an_event_tests_one_predicate_whatever_p(v, after_inner, want):
     """A step without events tests few predicates, whatever P (XLA:GPU reads each top-level
     loop's predicate on the host): the events after the inner step sit in one guard loop
-    (the sync with its checked second pass and the apply at V = 0; the stash and the apply
-    at V = 1), and at V = 1 the exchange and its checked second pass come before, so 1 loop
-    at V = 0 and 3 at V = 1, for P = 2 and 5. One loop per fragment (0e13d2e) gave 3·P + 1
-    and 4·P + 1, one guard per event with the reset beside the apply (e3d619f) 4 and 5,
-    one guard per event with the reset nested (ef3f368) 3 and 4."""
+    (the sync with its checked second pass and the apply at V = 0; at V = 1 the stash and
+    the apply, and the exchange with its checked second pass when it waits for the inner
+    step), so 1 loop; a free exchange comes before with its second pass, so 3, for P = 2
+    and 5. One loop per fragment (0e13d2e) gave 3·P + 1 and 4·P + 1, one guard per event
+    with the reset beside the apply (e3d619f) 4 and 5, one guard per event with the reset
+    nested (ef3f368) 3 and 4, one guard after the inner step (82be423) 1 and 3 (waiting or
+    free)."""
     model, inner = make_toy(4, 8), optax.adamw(1e-3)
     loops = {}
     for p in (2, 5):
         cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=10, streaming=True, num_fragments=p, overlap_steps=v)
-        step = dl.make_train_step(cfg, toy_loss, inner)
+        step = dl.make_train_step(cfg, toy_loss, inner, exchange_after_inner=after_inner)
         loops[p] = _top_level_loops(step, dl.init_state(model, inner, cfg), np.zeros((4, 8), np.float32))
-    want = 1 + 2 * v
     assert loops == {2: want, 5: want}, loops
 
 

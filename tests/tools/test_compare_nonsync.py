@@ -70,12 +70,12 @@ def test_the_committed_h200_run_against_a_second_run_with_command_buffers():
     assert lines[0] == "default: XLA flags (default); ?, jax 0.11.2"
     assert lines[1] == "graphs: XLA flags --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL; ?, jax 0.11.2"
     assert lines[2].startswith("100M default: plain 120.") and lines[2].endswith("60 pairs")
-    assert lines[3].split(";")[0] == "  diloco     1.0054 [1.0031, 1.0076] holding at 1.01"
-    assert lines[4].split(";")[0] == "  streaming  1.0100 [1.0079, 1.0121] unresolved at 1.01"
+    assert lines[3].split(";")[0] == "  diloco         1.0054 [1.0031, 1.0076] holding at 1.01"
+    assert lines[4].split(";")[0] == "  streaming      1.0100 [1.0079, 1.0121] unresolved at 1.01"
     assert lines[5].startswith("100M graphs: plain 120.")
-    assert lines[6] == ("  diloco     1.0054 [1.0031, 1.0076] holding at 1.01; traced: 0 D2H, span − plain's "
+    assert lines[6] == ("  diloco         1.0054 [1.0031, 1.0076] holding at 1.01; traced: 0 D2H, span − plain's "
                         "100 us; events ran, outer Σ|θ| ÷ first run's − 1 = +2.50e-03")
-    assert lines[7] == ("  streaming  1.0040 [1.0020, 1.0060] holding at 1.01; traced: 0 D2H, span − plain's "
+    assert lines[7] == ("  streaming      1.0040 [1.0020, 1.0060] holding at 1.01; traced: 0 D2H, span − plain's "
                         "250 us (command buffers off for the profiler: 2); events DID NOT RUN as scheduled, outer Σ|θ| ÷ first run's − 1 = +0.00e+00")
 
 
@@ -83,7 +83,7 @@ def test_a_failed_trace_is_named_beside_the_ratio():
     run = _committed()
     run["nonsync"]["100M"]["trace_error"] = "RuntimeError: CUPTI went away"
     lines = C.compare({"graphs": run}).splitlines()
-    assert lines[2] == "  diloco     1.0054 [1.0031, 1.0076] holding at 1.01; trace failed: RuntimeError: CUPTI went away"
+    assert lines[2] == "  diloco         1.0054 [1.0031, 1.0076] holding at 1.01; trace failed: RuntimeError: CUPTI went away"
 
 
 def test_a_json_of_another_section_is_refused_by_name(tmp_path):
@@ -99,7 +99,7 @@ def test_a_run_that_left_no_json_is_named_and_the_others_compared(tmp_path, caps
     assert lines[0].startswith(f"compare_nonsync: cannot read {tmp_path / 'graphs.json'}") and \
         lines[0].endswith("(not compared)")
     assert lines[1] == "gpu_h200_nonsync: XLA flags (default); ?, jax 0.11.2"
-    assert lines[3].split(";")[0] == "  diloco     1.0054 [1.0031, 1.0076] holding at 1.01"
+    assert lines[3].split(";")[0] == "  diloco         1.0054 [1.0031, 1.0076] holding at 1.01"
     assert capsys.readouterr().out == text + "\n"
 
 
