@@ -122,9 +122,10 @@ def test_the_prepared_gpu_script_runs_on_the_cpu(tmp_path):
                for r in runs.values())
     for r in runs.values():
         events = r["nonsync"]["1M"]["events"]
-        assert events["diloco"]["ends"] == [99, 100] and events["streaming"]["ends"] == [99, 100, 101]
+        assert events["diloco"]["ends"] == [99, 100]
+        assert events["streaming"]["ends"] == events["streaming_free"]["ends"] == [99, 100, 101]
         assert all(C.events_ran(e) and "outer_fragment0_change" in e for e in events.values())
     assert {m: e["outer_abs_sum"] for m, e in runs["graphs"]["nonsync"]["1M"]["events"].items()} == \
         {m: e["outer_abs_sum"] for m, e in runs["default"]["nonsync"]["1M"]["events"].items()}
     text = (tmp_path / "gpu_h200_nonsync_compare.txt").read_text()
-    assert text.count("events ran") == 4 and "DID NOT RUN" not in text
+    assert text.count("events ran") == 6 and "DID NOT RUN" not in text  # 3 modes, 2 runs
