@@ -373,12 +373,13 @@ def sync_stage(plan: Plan, t, inner, outer, outer_opt, residual):
     return out[:5]
 
 
-def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual, count: bool = False):
-    """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step
-    (with `count`, also its trip count)."""
-    out = checked_again(plan, t_sync, plan.schedule.fragment_at(t_sync), partial(exchange_stashed, plan),
-                        no_exchange(plan, outer, outer_opt, residual), pending, count=count)
-    return (out[0], out[1][:5]) if count else out[:5]
+def exchange_stage(plan: Plan, t_sync, pending, outer, outer_opt, residual):
+    """The deferred form: the exchange of a sync stashed at `t_sync`, if it was a sync step,
+    with its checked second pass: (trips run, (outer, its optimizer states, residual, report))."""
+    with jax.named_scope("diloco_sync"):
+        ran, out = checked_again(plan, t_sync, plan.schedule.fragment_at(t_sync), partial(exchange_stashed, plan),
+                                 no_exchange(plan, outer, outer_opt, residual), pending, count=True)
+    return ran, out[:4]
 
 
 def stash_stage(plan: Plan, t, inner, outer, pending, after=None):
@@ -573,16 +574,16 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
     exchange = (s.outer, s.outer_opt_state, s.residual, report)
     exchanged = None
     if not plan.exchange_after_inner:
-        exchanged, exchange = exchange_step(plan, s.step, s.pending, *exchange[:3])
+        exchanged, exchange = exchange_stage(plan, s.step, s.pending, *exchange[:3])
 
     def events(c):
         pending, inner, inner_opt, exchange, _ = c
-        after = exchanged
+        read = None  # a free exchange has read the stash before the guard starts (its `after`)
         if plan.exchange_after_inner:
-            after, exchange = exchange_step(plan, s.step, pending, *exchange[:3])
+            read, exchange = exchange_stage(plan, s.step, pending, *exchange[:3])
         outer = exchange[0]
         with jax.named_scope("diloco_stash"):
-            stashed, pending = stash_stage(plan, t, inner, outer, pending, after=after)
+            stashed, pending = stash_stage(plan, t, inner, outer, pending, after=read)
         with jax.named_scope("diloco_apply"):
             inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, outer, after=stashed)
         return pending, inner, inner_opt, exchange, reset
@@ -595,14 +596,6 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
         plan, t, events, (s.pending, inner, inner_opt, exchange, no_reset(plan)), pin, after=exchanged, also=also)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, pending)
     return new, StepReport(t, losses, report, reset)
-
-
-def exchange_step(plan: Plan, t_sync, pending, outer, outer_opt, residual):
-    """The deferred exchange of the sync stashed at `t_sync` (if it was one), with its checked
-    second pass: (trips run, (outer, outer optimizer states, residual, report))."""
-    with jax.named_scope("diloco_sync"):
-        ran, out = exchange_stage(plan, t_sync, pending, outer, outer_opt, residual, count=True)
-    return ran, out[:4]
 
 
 def after_inner(plan: Plan, t, events: Callable, carry, pin: Callable, after=None, also=False):
@@ -632,7 +625,7 @@ def delayed_step(plan: Plan, s: DiLoCoState, t, inner, inner_opt, losses) -> tup
 
 def settled_outer(plan: Plan, s: DiLoCoState) -> PyTree:
     """The outer model's arrays with a stashed sync's exchange folded in."""
-    outer, *_ = exchange_stage(plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual)
+    _, (outer, *_) = exchange_stage(plan, s.step, s.pending, s.outer, s.outer_opt_state, s.residual)
     return outer
 
 
