@@ -6,8 +6,8 @@ critical path of the step that runs it.
     python -m tools.sync_dependencies --no-streaming
 
 The deferred exchange is traced as it is built for an accelerator, free to run under the inner
-step; `--exchange-after-inner` traces it as XLA:CPU runs it by default on islands of one device
-(waiting for the inner step; see `diloco_eqx.step.exchange_waits_by_default`).
+step; `--exchange-after-inner` traces it waiting for the inner step, as it is built by default
+without a mesh and on XLA:CPU with islands of one device (`diloco_eqx.step.exchange_waits_by_default`).
 
 For every cross-island collective in the traced step: its primitive, its scope, and how
 many equations of the same step's inner step (forward, backward, AdamW) it depends on;
@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direct", action="store_true",
                    help="force the direct form (exchange inside the sync step) even for V >= 1")
     p.add_argument("--exchange-after-inner", action="store_true",
-                   help="the deferred exchange waiting for the inner step, as XLA:CPU runs it by default")
+                   help="the deferred exchange waiting for the inner step, as built by default without a "
+                        "mesh and on XLA:CPU with islands of one device")
     return p
 
 
