@@ -8,8 +8,8 @@ changes a step's numbers, and it lowers every step's absolute memory, but it was
 where paired step times told them apart (`tools/benchmark.py --cpu-orders` measures both,
 side by side). Under the default order a Streaming step's deferred exchange (V >= 1) once
 ran between the forward and backward passes and made the step's block of temporaries up to
-a stash larger than it holds; on CPU the exchange now waits for the inner step instead
-(`step.exchange_waits_by_default`). A whole run takes XLA's own flag:
+a stash larger than it holds; on CPU (and wherever there is no mesh) the exchange now waits
+for the inner step instead (`step.exchange_waits_by_default`). A whole run takes XLA's own flag:
 XLA_FLAGS=--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED.
 """
 

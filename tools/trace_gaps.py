@@ -90,10 +90,10 @@ def summarize(path: str, prefix: str = "mode_", start_at: str | None = None) -> 
 
 def format_summary(summary: dict[str, dict[str, float]], base: str | None = None) -> str:
     base = base if base in summary else next(iter(summary))
-    lines = [f"{'mode':10s} {'busy ms':>9s} {'span ms':>9s} {'span-' + base:>12s} {'gaps us':>8s} "
+    lines = [f"{'mode':14s} {'busy ms':>9s} {'span ms':>9s} {'span-' + base:>12s} {'gaps us':>8s} "
              f"{'D2H':>4s} {'after D2H us':>13s} {'host after us':>14s} {'events':>7s} {'graphs off':>10s}"]
     for m, s in summary.items():
-        lines.append(f"{m:10s} {s['busy'] / 1e3:9.3f} {s['span'] / 1e3:9.3f} "
+        lines.append(f"{m:14s} {s['busy'] / 1e3:9.3f} {s['span'] / 1e3:9.3f} "
                      f"{(s['span'] - summary[base]['span']):10.0f}us {s['gaps']:8.0f} {s['d2h']:4.0f} "
                      f"{s['after_d2h']:13.0f} {s['host_after']:14.0f} {s['events']:7.0f} "
                      f"{s.get('graphs_off', 0):10g}")

@@ -24,7 +24,7 @@ def test_deferred_equals_direct(order, v):
     inner = optax.adamw(0.01)
     direct_losses, direct = run_jax(cfg, inner, data, deferred=False)
     # the exchange waiting for the inner step (CPU's default) and free (an accelerator's)
-    for mesh, after in ((None, True), (None, False), (dl.make_mesh(2), None)):
+    for mesh, after in ((None, True), (None, False), (dl.make_mesh(2), None), (dl.make_mesh(2), False)):
         losses, deferred = run_jax(cfg, inner, data, mesh=mesh, deferred=True, exchange_after_inner=after)
         np.testing.assert_allclose(losses, direct_losses, rtol=1e-6, atol=1e-6)
         for name, want in toy_to_numpy(direct.outer_model).items():
