@@ -336,8 +336,13 @@ def stash_fragment(plan: Plan, f: int, pending, inner, outer):
 
 def no_exchange(plan: Plan, outer, outer_opt, residual):
     islands = plan.islands
-    zeros = SyncMetrics.zeros(islands, not plan.cfg.codec.lossless)
-    return outer, outer_opt, residual, zeros, islands.local(jnp.ones((islands.local_count,), bool)), jnp.asarray(True)
+    return (outer, outer_opt, residual, no_report(plan), islands.local(jnp.ones((islands.local_count,), bool)),
+            jnp.asarray(True))
+
+
+def no_report(plan: Plan) -> SyncMetrics:
+    """The sync report of a step without an exchange: zeros."""
+    return SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
 
 
 def pin_exchange(plan: Plan, out):
@@ -556,9 +561,9 @@ def direct_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> tup
     def pin(c):
         return (*plan.pin_islands(c[:2]), *pin_exchange(plan, c[2:5]), *c[5:])
 
-    report = SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
     inner, inner_opt, outer, outer_opt, residual, report, reset = after_inner(
-        plan, t, events, (inner, inner_opt, s.outer, s.outer_opt_state, s.residual, report, no_reset(plan)), pin)
+        plan, t, events, (inner, inner_opt, s.outer, s.outer_opt_state, s.residual, no_report(plan), no_reset(plan)),
+        pin)
     new = DiLoCoState(inner, inner_opt, outer, outer_opt, t, residual, s.pending)
     return new, StepReport(t, losses, report, reset)
 
@@ -570,8 +575,7 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
     t = s.step + 1
     with jax.named_scope("inner_step"):
         inner, inner_opt, losses = inner_step(plan, static.inner_model, s.inner_model, s.inner_opt_state, batches, t)
-    report = SyncMetrics.zeros(plan.islands, not plan.cfg.codec.lossless)
-    exchange = (s.outer, s.outer_opt_state, s.residual, report)
+    exchange = (s.outer, s.outer_opt_state, s.residual, no_report(plan))
     exchanged = None
     if not plan.exchange_after_inner:
         exchanged, exchange = exchange_stage(plan, s.step, s.pending, *exchange[:3])
@@ -589,7 +593,7 @@ def deferred_step(plan: Plan, static: DiLoCoState, s: DiLoCoState, batches) -> t
         return pending, inner, inner_opt, exchange, reset
 
     def pin(c):
-        return plan.pin_stash(c[0]), *plan.pin_islands(c[1:3]), (*pin_exchange(plan, c[3][:3]), c[3][3]), c[4]
+        return plan.pin_stash(c[0]), *plan.pin_islands(c[1:3]), pin_exchange(plan, c[3]), c[4]
 
     also = plan.schedule.is_sync(s.step) if plan.exchange_after_inner else False
     pending, inner, inner_opt, (outer, outer_opt, residual, report), reset = after_inner(
@@ -797,5 +801,6 @@ def exchange_waits_by_default(mesh: Mesh | None, backend: str = "shard_map") -> 
     the inner step they reuse the activations' space. On islands of several devices, under
     drjax, and on an accelerator's mesh, the exchange stays free, so that its collective may
     run beside the inner step."""
-    local = mesh is None or (backend == "shard_map" and mesh_lib.island_size(mesh) == 1)
-    return mesh is None or (compiler.platform(mesh) == "cpu" and local)
+    if mesh is None:
+        return True
+    return compiler.platform(mesh) == "cpu" and backend == "shard_map" and mesh_lib.island_size(mesh) == 1
