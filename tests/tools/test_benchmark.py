@@ -161,7 +161,7 @@ def test_committed_cpu_nonsync_json():
 def test_committed_cpu_nonsync_json_after_the_fold():
     """benchmarks/cpu_nonsync_2782e2a.json (a slower, noisier machine than 03c02a1's): the
     waiting exchange inside the guard ("streaming") and the free one side by side, 400 pairs;
-    no interval lies wholly above the 1% line, and the README's figures are these."""
+    no interval lies wholly above the 1% line, and the benchmarks record's figures are these."""
     result = json.loads((ROOT / "benchmarks" / "cpu_nonsync_2782e2a.json").read_text())
     check_nonsync_json(result)
     assert result["settings"]["reps"] == 400
@@ -303,16 +303,19 @@ def test_the_step_tables_phases_end_on_their_events():
 
 
 def test_readme_benchmark_commands_are_accepted():
-    """Every `python -m tools.benchmark` command line of the README's code blocks passes the
-    flag checks as written (a renamed or refused flag would fail here, not in a user's run)."""
+    """Every `python -m tools.benchmark` command line of the README's and the benchmarks
+    record's code blocks passes the flag checks as written (a renamed or refused flag would
+    fail here, not in a user's run)."""
     import re
     import shlex
 
     from tools.benchmark import parse_args
 
     command = re.compile(r"\s*(?:\w+=\S+\s+)*python -m tools\.benchmark\b(.*)")
-    lines = [m.group(1) for line in (ROOT / "README.md").read_text().splitlines() if (m := command.fullmatch(line))]
-    assert len(lines) >= 13
+    lines = {name: [m.group(1) for line in (ROOT / name).read_text().splitlines() if (m := command.fullmatch(line))]
+             for name in ("README.md", "benchmarks/README.md")}
+    assert len(lines["README.md"]) >= 7 and len(lines["benchmarks/README.md"]) >= 10
+    lines = lines["README.md"] + lines["benchmarks/README.md"]
     for line in lines:
         try:
             parse_args(shlex.split(line.split(" #")[0]))
