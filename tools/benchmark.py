@@ -459,7 +459,11 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     and the deferred floor's besides the steps' states (1.1 GB at 30M, K = 2, P = 5).
     Streaming's fragments follow `fragment_order` (the config's default when None); with
     `compare_order`, Streaming on that order is timed in the same repetitions too, and its
-    syncs compared with the first order's, paired (`compared_order`)."""
+    syncs compared with the first order's, paired (`compared_order`). Streaming with V = 0
+    (`streaming_v0`: no stash, the sync and apply in one step) is timed in the same
+    repetitions too: its syncs move a vanilla sync's bytes per parameter, so a cycle of them
+    against one vanilla sync is where 1/P is owed; `cycle_over_vanilla_paired` gives both
+    forms' cycles over vanilla's, one ratio per cycle of P repetitions, with the interval."""
     import numpy as np
 
     import diloco_eqx as dl
@@ -473,8 +477,9 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     streamings = {"streaming": streaming}
     if compare_order is not None:
         streamings["compared"] = dataclasses.replace(streaming, fragment_order=compare_order)
+    direct = dataclasses.replace(streaming, overlap_steps=0)
     floor_bytes, stream_bytes, references = _sync_cost_references(model, k, vanilla, num_fragments)
-    times, synced, reps = _sync_cost_times(model, k, vanilla, streamings, references, reps)
+    times, synced, reps = _sync_cost_times(model, k, vanilla, streamings, references, reps, direct)
     del references
     floor, stream_floor, by_hand, minimal = (float(np.median(times[r]))
                                              for r in ("floor", "stream_floor", "by_hand", "minimal"))
@@ -491,10 +496,19 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     streaming_extra = stash_extra + exchange_extra
     per_fragment = _per_fragment(times, synced, num_fragments, model, streaming, vanilla_extra)
     cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per_fragment) / num_fragments
+    v0_per_fragment = _per_fragment(times, synced, num_fragments, model, direct, vanilla_extra, mode="streaming_v0")
+    v0_cycle = sum(p["stash_extra_s"] for p in v0_per_fragment) / num_fragments
+    extras = {"streaming": _sync_extras(times, "streaming"), "streaming_v0": _sync_extras(times, "streaming_v0")}
     compared = {} if compare_order is None else {"compared_order": _compared_order(
         times, synced, model, streamings["compared"], vanilla_extra)}
     return {**compared, "streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
+            "streaming_v0_per_fragment": [{"fragment": p["fragment"], "layers": p["layers"],
+                                           "param_fraction": p["param_fraction"], "reps": p["reps"],
+                                           "sync_apply_extra_s": p["stash_extra_s"], "over_vanilla": p["over_vanilla"]}
+                                          for p in v0_per_fragment],
+            "streaming_v0_cycle_extra_s": v0_cycle, "streaming_v0_cycle_over_vanilla": v0_cycle / vanilla_extra,
+            "cycle_over_vanilla_paired": {m: cycle_ratio(e, sync_reps, num_fragments) for m, e in extras.items()},
             "streaming_floor_bytes": stream_bytes, "streaming_floor_s": stream_floor,
             "streaming_cycle_over_floor": cycle / stream_floor,
             "streaming_floor_over_vanilla_floor": stream_bytes / (2 * floor_bytes),
@@ -535,11 +549,13 @@ def _sync_cost_references(model, k: int, vanilla, num_fragments: int) -> tuple[i
                                        **{name: (hand, name) for name in hand.runs}}
 
 
-def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict, reps: int) -> tuple[dict, list[int], int]:
+def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict, reps: int,
+                     direct) -> tuple[dict, list[int], int]:
     """(seconds of every phase and reference in each timed repetition, the fragment each
     repetition's Streaming sync was of, the repetitions timed: `reps` rounded up to a
     multiple of P so every fragment's sync is timed equally often). Two repetitions before
-    them warm up. With two Streaming modes (two fragment orders), they take turns going first."""
+    them warm up. With two Streaming modes (two fragment orders), they take turns going first;
+    `direct` (V = 0) syncs and applies the same fragment in the step that ends at the stash's t."""
     import numpy as np
     import optax
 
@@ -550,7 +566,7 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
     inner = optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
     steps = {"plain": list(make_plain_step(model, loss_fn, inner, k))}
-    for name, cfg in (("diloco", vanilla), *streamings.items()):
+    for name, cfg in (("diloco", vanilla), *streamings.items(), ("streaming_v0", direct)):
         steps[name] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
     placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
     first = next(iter(streamings.values()))  # the orders share the schedule
@@ -558,7 +574,8 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
     dh = schedule.steps_between_syncs
     def phases(rep):  # two Streaming modes take turns going first
         modes = list(streamings)[::-1 if rep % 2 else 1]
-        return [("plain", None), ("diloco", 5), ("diloco", h), *[(m, t) for m in modes for t in (5, "sync", "after")]]
+        return [("plain", None), ("diloco", 5), ("diloco", h), *[(m, t) for m in modes for t in (5, "sync", "after")],
+                ("streaming_v0", 5), ("streaming_v0", "sync")]
 
     times, synced = {key: [] for key in [*phases(0), *references]}, []
     reps = -(-reps // p) * p
@@ -571,6 +588,7 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
             t_end = {None: None, "sync": dh * j, "after": None}.get(t, t)
             times[(mode, t)].append(_time_step(steps[mode], placed[mode], t_end))
         synced.append(int(schedule.fragment_at(dh * j)))
+        assert dl.Schedule.from_config(direct).fragment_at(dh * j) == synced[-1]
     return {key: ts[2:] for key, ts in times.items()}, synced[2:], reps
 
 
@@ -636,10 +654,11 @@ def _compared_order(times: dict, synced: list[int], model, cfg, vanilla_extra: f
 
 def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg, vanilla_extra: float,
                   mode: str = "streaming") -> list[dict]:
-    """Each fragment's Streaming sync (stash, then exchange and apply) over the non-sync step
-    of the same repetition: medians over that fragment's repetitions, its share of the
-    parameters, and its extra over the vanilla sync's (a fragment that costs in proportion
-    to its size has the two equal)."""
+    """Each fragment's Streaming sync (stash, then exchange and apply; with V = 0 the one step
+    that syncs and applies, as "stash", and no second) over the non-sync step of the same
+    repetition: medians over that fragment's repetitions, its share of the parameters, and
+    its extra over the vanilla sync's (a fragment that costs in proportion to its size has
+    the two equal)."""
     import numpy as np
 
     import equinox as eqx
@@ -653,12 +672,38 @@ def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg
     for f in range(num_fragments):
         mine = np.asarray(synced) == f
         stash = float(np.median(np.asarray(times[(mode, "sync")])[mine] - base[mine]))
-        exchange = float(np.median(np.asarray(times[(mode, "after")])[mine] - base[mine]))
+        exchange = float(np.median(np.asarray(times[(mode, "after")])[mine] - base[mine])) if (mode, "after") in times else 0.0
         out.append({"fragment": f, "layers": list(fragments.layer_indices(f)) if f else [],
                     "param_fraction": counts[f] / sum(counts), "reps": int(mine.sum()),
                     "stash_extra_s": stash, "exchange_apply_extra_s": exchange,
                     "over_vanilla": (stash + exchange) / vanilla_extra})
     return out
+
+
+def _sync_extras(times: dict, mode: str):
+    """Each repetition's Streaming sync over its no-event step: the stash and the step after
+    it (exchange and apply) where the mode has that step, else the one step (V = 0)."""
+    import numpy as np
+
+    base = np.asarray(times[(mode, 5)])
+    extra = np.asarray(times[(mode, "sync")]) - base
+    return extra + np.asarray(times[(mode, "after")]) - base if (mode, "after") in times else extra
+
+
+def cycle_ratio(streaming_extras, vanilla_extras, num_fragments: int) -> dict:
+    """A cycle of P Streaming syncs over one vanilla sync, paired by cycle: the repetitions,
+    taken P at a time in order (each P consecutive ones sync every fragment once), give one
+    ratio each, Σ Streaming extras ÷ Σ vanilla extras over those P; their mean with its 95%
+    t-interval, and the verdict on 1/P ("holding": the whole interval at or below it)."""
+    import numpy as np
+
+    from experiments.stats import interval
+
+    s, v = (np.asarray(x, np.float64).reshape(-1, num_fragments) for x in (streaming_extras, vanilla_extras))
+    d = interval(list(s.sum(axis=1) / v.sum(axis=1)))
+    one_over_p = 1 / num_fragments
+    verdict = "holding" if d["hi"] <= one_over_p else "contradicted" if d["lo"] > one_over_p else "unresolved"
+    return {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "cycles": d["n"], "at_most_one_over_p": verdict}
 
 
 def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: int) -> dict:
@@ -1473,6 +1518,16 @@ def _format_sync_cost(costs: dict) -> list[str]:
                f"; its own floor {1e3 * c['streaming_floor_s']:.1f} ms for {c['streaming_floor_bytes'] / 1e6:.0f} MB "
                f"({c['streaming_floor_over_vanilla_floor']:.2f} of vanilla's bytes): cycle = "
                f"{c['streaming_cycle_over_floor']:.2f}x its floor"))
+        if "streaming_v0_per_fragment" in c:
+            lines.append(f"{name} streaming V = 0 sync per fragment (sync and apply in one step, ÷ vanilla's; share of Θ): "
+                         + ", ".join(f"{p['fragment']}: {1e3 * p['sync_apply_extra_s']:.1f} ms = {p['over_vanilla']:.2f} "
+                                     f"({p['param_fraction']:.2f})" for p in c["streaming_v0_per_fragment"])
+                         + f"; mean over a cycle {1e3 * c['streaming_v0_cycle_extra_s']:.1f} ms = "
+                           f"{c['streaming_v0_cycle_over_vanilla']:.2f} of vanilla's; a cycle ÷ vanilla's, paired by cycle, "
+                           "mean [95%]: " + ", ".join(
+                               f"{m} {r['mean']:.2f} [{r['low']:.2f}, {r['high']:.2f}] over {r['cycles']} cycles "
+                               f"(≤ 1/P = {c['one_over_p']:.2f}: {r['at_most_one_over_p']})"
+                               for m, r in c["cycle_over_vanilla_paired"].items()))
         if (o := c.get("compared_order")) is not None:
             d = o["layer_sync_difference_s"]
             lines.append(

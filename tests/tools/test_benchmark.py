@@ -84,6 +84,14 @@ def check_quick_json(result: dict) -> None:
     for p in per:
         assert p["over_vanilla"] == pytest.approx((p["stash_extra_s"] + p["exchange_apply_extra_s"])
                                                   / cost["vanilla_sync_extra_s"])
+    # Streaming with V = 0 in the same repetitions: its one sync-and-apply step per fragment
+    v0 = cost["streaming_v0_per_fragment"]
+    assert [(q["fragment"], q["layers"], q["reps"]) for q in v0] == [(q["fragment"], q["layers"], q["reps"]) for q in per]
+    assert cost["streaming_v0_cycle_extra_s"] == pytest.approx(sum(q["sync_apply_extra_s"] for q in v0) / len(v0))
+    paired = cost["cycle_over_vanilla_paired"]
+    assert set(paired) == {"streaming", "streaming_v0"}
+    for r in paired.values():
+        assert r["cycles"] == cost["reps"] // len(per) and r["low"] <= r["mean"] <= r["high"]
     phases = {(r["mode"], r["phase"]) for r in result["rows"]}
     for mode in ("diloco", "streaming", "diloco_drjax", "streaming_drjax"):  # both backends
         assert {(mode, p) for p in ("nonsync", "sync", "amortized")} <= phases
@@ -321,6 +329,25 @@ def test_readme_benchmark_commands_are_accepted():
             parse_args(shlex.split(line.split(" #")[0]))
         except SystemExit:
             pytest.fail(f"README command refused: {line}")
+
+
+@pytest.mark.parametrize("streaming, want", [
+    # P = 2, consecutive pairs: (1+1)/8, (2+2)/8, (1+3)/8 = 0.25, 0.5, 0.5; t(0.975, 2) = 4.302653,
+    # s = 0.144338, half = 4.302653 · 0.144338 / √3 = 0.358554
+    ([1, 1, 2, 2, 1, 3], (0.416667, 0.058113, 0.775221, "unresolved")),
+    # 0.125, 0.15: t(0.975, 1) = 12.706205, s = 0.017678, half = 0.158828
+    ([0.5, 0.5, 0.6, 0.6], (0.1375, -0.021328, 0.296328, "holding")),
+    # 0.75, 0.8, 0.775: s = 0.025, half = 4.302653 · 0.025 / √3 = 0.062103
+    ([3, 3, 3.2, 3.2, 3.1, 3.1], (0.775, 0.712897, 0.837103, "contradicted")),
+])
+def test_cycle_ratio_pairs_each_cycle_of_p_consecutive_repetitions(streaming, want):
+    """A cycle of P Streaming syncs over one vanilla sync, one ratio per P consecutive
+    repetitions (hand-worked above), and its verdict on 1/P = 0.5."""
+    from tools.benchmark import cycle_ratio
+
+    got = cycle_ratio(streaming, [4.0] * len(streaming), 2)
+    assert (got["mean"], got["low"], got["high"]) == pytest.approx(want[:3], abs=2e-6)
+    assert got["at_most_one_over_p"] == want[3] and got["cycles"] == len(streaming) // 2
 
 
 @pytest.mark.slow
