@@ -185,6 +185,23 @@ def test_committed_cpu_nonsync_json_after_the_fold():
         assert c["modes"]["streaming_free"]["exchange_after_inner"] is False
 
 
+def test_committed_cpu_nonsync_json_at_ac4153e():
+    """benchmarks/cpu_nonsync_ac4153e.json (the step of 2782e2a, timed again on a slower
+    machine): 400 pairs; at 30M DiLoCo and the waiting Streaming step hold their whole
+    intervals under 1.01, no interval lies wholly above it, and the record's figures are these."""
+    result = json.loads((ROOT / "benchmarks" / "cpu_nonsync_ac4153e.json").read_text())
+    check_nonsync_json(result)
+    assert result["settings"]["reps"] == 400
+    got = {(size, m): (round(r["ratio"], 4), round(r["ratio_low"], 4), round(r["ratio_high"], 4))
+           for size, c in result["nonsync"].items() for m, r in c["modes"].items()}
+    assert got == {("10M", "diloco"): (1.0088, 0.9989, 1.0187), ("10M", "streaming"): (1.0113, 1.0011, 1.0215),
+                   ("10M", "streaming_free"): (1.0130, 1.0022, 1.0239),
+                   ("30M", "diloco"): (0.9987, 0.9914, 1.0060), ("30M", "streaming"): (0.9996, 0.9916, 1.0077),
+                   ("30M", "streaming_free"): (1.0034, 0.9878, 1.0190)}
+    assert all(low < 1.01 for _, low, _ in got.values())
+    assert {key for key, (_, _, high) in got.items() if high < 1.01} == {("30M", "diloco"), ("30M", "streaming")}
+
+
 def test_committed_cpu_sync_cost_json():
     """benchmarks/cpu_sync_cost*.json as committed: 100 repetitions at 10M and 30M, the
     interleaved and the sequential order in two runs. Paired within each repetition, the
