@@ -202,6 +202,25 @@ def test_committed_cpu_nonsync_json_at_ac4153e():
     assert {key for key, (_, _, high) in got.items() if high < 1.01} == {("30M", "diloco"), ("30M", "streaming")}
 
 
+def test_committed_cpu_sync_cost_v0_json():
+    """benchmarks/cpu_sync_cost_v0.json (b93d41c): Streaming with V = 0 beside the deferred
+    form, 100 repetitions = 20 cycles of P = 5 at 10M and 30M. A V = 0 cycle costs more than
+    1/P of a vanilla sync (whole interval above 0.2) and less than the deferred cycle; each
+    cycle ratio recomputes from the per-fragment figures; the record's figures are these."""
+    result = json.loads((ROOT / "benchmarks" / "cpu_sync_cost_v0.json").read_text())
+    got = {}
+    for size, cost in result["sync_cost"].items():
+        paired = cost["cycle_over_vanilla_paired"]
+        got[size] = {m: (round(r["mean"], 2), round(r["low"], 2), round(r["high"], 2)) for m, r in paired.items()}
+        assert all(r["cycles"] == 20 and r["at_most_one_over_p"] == "contradicted" for r in paired.values())
+        v0 = cost["streaming_v0_per_fragment"]
+        assert cost["streaming_v0_cycle_extra_s"] == pytest.approx(sum(q["sync_apply_extra_s"] for q in v0) / 5)
+        assert cost["streaming_v0_cycle_over_vanilla"] < cost["streaming_cycle_over_vanilla"]
+        assert all(q["over_vanilla"] > 1.5 * q["param_fraction"] for q in v0 if q["fragment"])
+    assert got == {"10M": {"streaming": (0.71, 0.55, 0.86), "streaming_v0": (0.44, 0.36, 0.52)},
+                   "30M": {"streaming": (0.79, 0.44, 1.14), "streaming_v0": (0.39, 0.34, 0.44)}}
+
+
 def test_committed_cpu_sync_cost_json():
     """benchmarks/cpu_sync_cost*.json as committed: 100 repetitions at 10M and 30M, the
     interleaved and the sequential order in two runs. Paired within each repetition, the
