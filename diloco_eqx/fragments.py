@@ -9,6 +9,13 @@ layer leaves are cut down to f's layers; `put(tree, f, part)` writes such a tree
 Contiguous groups are read with a slice and written with a dynamic-update-slice; any other
 group (the interleaved order, a user's irregular order) is read and written one layer at a
 time, so a fragment's update is an in-place write of its own layers.
+
+Elementwise work on a fragment (the mean over islands, the outer update, the blend back into
+each island) goes block by block of consecutive layers: `update(tree, f, fn, *parts)` writes
+fn of each block where it lies, and `take(..., blocks=True)` hands the blocks over as
+`Blocks`, which `join` makes one array. Gathering a strided fragment into one array first
+costs a copy of it per use, since XLA:CPU does not fuse a concatenation into an op that reads
+it at more than one index.
 """
 
 from __future__ import annotations
@@ -32,6 +39,15 @@ PyTree = Any
 def default_layers(model):
     """Where the stacked decoder layers live by default: `model.layers`."""
     return model.layers
+
+
+class Blocks(eqx.Module):
+    """A fragment's layer leaf as its blocks of consecutive layers (`take(blocks=True)`):
+    arithmetic on each block reads the stack where it lies, whereas one array of the
+    fragment's layers is copied out before any op that reads it more than once (a sum over
+    islands, say). `Fragmentation.join` makes it one array."""
+
+    parts: tuple[jax.Array, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +74,35 @@ class _Layers:
         # fragment is read and written in one fusion (a strided read through a reshape, or
         # a gather, makes it copy the whole stack first)
         return jnp.concatenate([lax.slice_in_dim(x, i, i + 1, axis=0) for i in idx], axis=0)
+
+    def blocks(self, x: jax.Array) -> Blocks | jax.Array:
+        """The group's layers of x as its blocks of consecutive layers, each a slice (one
+        block: the slice itself)."""
+        parts = tuple(lax.slice_in_dim(x, first, first + n, axis=0) for first, _, n in self.runs)
+        return parts[0] if len(parts) == 1 else Blocks(parts)
+
+    @property
+    def runs(self) -> tuple[tuple[int, int, int], ...]:
+        """The group as maximal blocks of consecutive layers: (first layer, its position in
+        the group, length) each."""
+        runs, idx = [], self.indices
+        for j, layer in enumerate(idx):
+            if j and layer == idx[j - 1] + 1:
+                first, at, n = runs[-1]
+                runs[-1] = (first, at, n + 1)
+            else:
+                runs.append((layer, j, 1))
+        return tuple(runs)
+
+    def update(self, x: jax.Array, fn: Callable, *parts: jax.Array) -> jax.Array:
+        """x with the group's layers replaced by fn(those layers, *parts' matching rows), block
+        by block of consecutive layers: each block is read and written in place by one fusion,
+        where reading the whole group first would copy it out."""
+        for first, at, n in self.runs:
+            rows = [lax.slice_in_dim(p, at, at + n, axis=0) for p in parts]
+            new = fn(lax.slice_in_dim(x, first, first + n, axis=0), *rows)
+            x = lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), first, axis=0)
+        return x
 
     def write(self, x: jax.Array, v: jax.Array) -> jax.Array:
         if self.contiguous:
@@ -111,7 +156,7 @@ class Fragmentation:
             )
         return self.groups[f - 1]
 
-    def _take_leaf(self, f: int, at=None) -> Callable[[Any, bool], Any]:
+    def _take_leaf(self, f: int, at=None, blocks: bool = False) -> Callable[[Any, bool], Any]:
         def whole(x):  # through `at` too, when given
             return x if at is None or x is None else jnp.where(at == 0, x, jnp.zeros((), x.dtype))
 
@@ -120,6 +165,8 @@ class Fragmentation:
         if f == 0:
             return lambda x, is_layer: None if is_layer else whole(x)
         layers = _Layers(self.groups[f - 1])
+        if blocks and at is None:
+            return lambda x, is_layer: layers.blocks(x) if is_layer else None
         return lambda x, is_layer: layers.read(x, at) if is_layer else None
 
     def _put_leaf(self, f: int) -> Callable[[Any, Any, bool], Any]:
@@ -132,16 +179,39 @@ class Fragmentation:
 
         return put
 
-    def take(self, tree: PyTree, f: int, at=None) -> PyTree:
+    def take(self, tree: PyTree, f: int, at=None, blocks: bool = False) -> PyTree:
         """Fragment f of a params-shaped tree (leaves outside f become None). `at`, a zero
         that XLA cannot tell is zero (`step.when(..., zero=True)` gives one to a loop body),
         makes the read depend on it, so that XLA keeps it, and what is computed from it,
-        inside the loop, and copies only the fragment."""
-        return jax.tree.map(self._take_leaf(f, at), tree, self.layer_mask, is_leaf=_is_none)
+        inside the loop, and copies only the fragment. With `blocks`, a layer leaf whose
+        layers are not consecutive comes as `Blocks` (for elementwise work; see `join`)."""
+        return jax.tree.map(self._take_leaf(f, at, blocks), tree, self.layer_mask, is_leaf=_is_none)
+
+    @staticmethod
+    def join(part: PyTree, axis: int = 0) -> PyTree:
+        """`part` with each `Blocks` leaf made one array (its blocks joined along `axis`, the
+        layer axis: 1 behind an island axis)."""
+        def one(x):
+            return jnp.concatenate(x.parts, axis=axis) if isinstance(x, Blocks) else x
+
+        return jax.tree.map(one, part, is_leaf=lambda x: isinstance(x, Blocks))
 
     def put(self, tree: PyTree, f: int, part: PyTree) -> PyTree:
         """`tree` with fragment f replaced by `part` (shaped like `take(tree, f)`)."""
         return jax.tree.map(self._put_leaf(f), tree, part, self.layer_mask, is_leaf=_is_none)
+
+    def update(self, tree: PyTree, f: int, fn: Callable, *parts: PyTree) -> PyTree:
+        """`put(tree, f, fn(take(tree, f), *parts))` for an elementwise `fn` of arrays (each
+        part shaped like `take(tree, f)`), computed where each layer lives: a fragment of
+        layers that are not consecutive is never copied out of the stack and back."""
+        def one(x, is_layer, *ps):
+            if ps[0] is None:
+                return x
+            if is_layer and self.num_fragments > 1:
+                return _Layers(self.groups[f - 1]).update(x, fn, *ps)
+            return fn(x, *ps).astype(x.dtype)
+
+        return jax.tree.map(one, tree, self.layer_mask, *parts, is_leaf=_is_none)
 
     def take_state(self, optimizer: optax.GradientTransformation, state: PyTree, f: int):
         """Fragment f of every params-shaped part of an optax state (e.g. a momentum trace)."""

@@ -9,7 +9,7 @@ import pytest
 
 import diloco_eqx as dl
 from diloco_eqx.analysis import comms
-from diloco_eqx.fragments import Fragmentation
+from diloco_eqx.fragments import Fragmentation, _Layers
 from tests.reference import make_toy
 
 
@@ -66,6 +66,61 @@ def test_interleaved_fragment_is_updated_in_place():
     hlo = update.lower(p).compile().as_text()
     assert frags.layer_indices(1) == (0, 2, 4)
     assert comms.every_step_copy_bytes(hlo) == 0
+
+
+def test_blocks_of_a_group_are_its_runs_of_consecutive_layers():
+    """(first layer, position in the group, length) of each block, worked by hand."""
+    assert _Layers((0, 1, 4)).runs == ((0, 0, 2), (4, 2, 1))
+    assert _Layers((1, 3, 5)).runs == ((1, 0, 1), (3, 1, 1), (5, 2, 1))
+    assert _Layers((2, 3, 4)).runs == ((2, 0, 3),)
+    assert _Layers((5,)).runs == ((5, 0, 1),)
+
+
+@pytest.mark.parametrize("order", [*ORDERS, lambda n, p: ((0, 1, 4), (2,), (3, 5))],
+                         ids=["interleaved", "sequential", "irregular", "blocks"])
+def test_update_and_blocks_match_numpy_indexing(order):
+    """`update` is `put` of an elementwise function of `take`, and `take(blocks=True)` joined
+    is `take`, against NumPy's fancy indexing; with an island axis the layers join on axis 1."""
+    frags = Fragmentation.from_model(make_toy(6, 3), cfg(4, order))
+    p = params(make_toy(6, 3))
+    w = np.asarray(p.layers.w)
+    for f in (0, 1, 2, 3):
+        part = jax.tree.map(lambda x: x + 1.0, frags.take(p, f))
+        out = frags.update(p, f, lambda x, y: 3.0 * x - y, part)
+        want = w.copy()
+        if f:
+            idx = list(frags.layer_indices(f))
+            want[idx] = 3.0 * w[idx] - (w[idx] + 1.0)  # = 2w - 1
+            np.testing.assert_array_equal(out.embed, p.embed)
+        else:
+            np.testing.assert_allclose(out.embed, 2.0 * np.asarray(p.embed) - 1.0, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out.layers.w, want, rtol=1e-6, atol=1e-6)
+        blocks = frags.take(p, f, blocks=True)
+        if f:
+            leaf = blocks.layers.w
+            assert len(getattr(leaf, "parts", (leaf,))) == len(_Layers(frags.layer_indices(f)).runs)
+        for got, ref in zip(jax.tree.leaves(Fragmentation.join(blocks)), jax.tree.leaves(frags.take(p, f))):
+            np.testing.assert_array_equal(got, ref)
+    stacked = jax.tree.map(lambda x: jnp.stack([x, -x]), p)
+    joined = Fragmentation.join(jax.vmap(lambda t: frags.take(t, 1, blocks=True))(stacked), axis=1)
+    np.testing.assert_array_equal(joined.layers.w, np.stack([w, -w])[:, list(frags.layer_indices(1))])
+
+
+def test_update_of_an_interleaved_fragment_is_in_place():
+    """`update` writes a strided group block by block, in place: no copy of the stack and no
+    temporary, where `put` of the same function of `take` first writes the fragment out."""
+    frags = Fragmentation.from_model(make_toy(6, 64), cfg(3, "interleaved"))
+    p = params(make_toy(6, 64))
+    u = frags.take(p, 1)
+
+    def compiled(fn):
+        return jax.jit(fn, donate_argnums=0).lower(p, u).compile()
+
+    by_blocks = compiled(lambda t, u: frags.update(t, 1, lambda x, v: 2.0 * x + v, u))
+    copied = compiled(lambda t, u: frags.put(t, 1, jax.tree.map(lambda x, v: 2.0 * x + v, frags.take(t, 1), u)))
+    assert comms.every_step_copy_bytes(by_blocks.as_text()) == 0
+    assert by_blocks.memory_analysis().temp_size_in_bytes == 0
+    assert copied.memory_analysis().temp_size_in_bytes >= sum(x.nbytes for x in jax.tree.leaves(u))
 
 
 def test_vanilla_is_one_fragment_of_everything():
