@@ -244,10 +244,11 @@ def inner_step(plan: Plan, static: eqx.Module, inner: PyTree, inner_opt: PyTree,
 # ---------------------------------------------------------------- sync of one fragment
 
 
-def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree) -> tuple[PyTree, Bool[Array, " k"]]:
+def island_deltas(plan: Plan, f: int, inner: PyTree, outer: PyTree,
+                  blocks: bool = False) -> tuple[PyTree, Bool[Array, " k"]]:
     """Each island's pseudo-gradient of fragment f, and whether the island's own fragment is
-    finite (no communication)."""
-    take = plan.fragments.take
+    finite (no communication); with `blocks`, layer leaves as `Blocks` (see `take`)."""
+    take = partial(plan.fragments.take, blocks=blocks)
     outer_f = plan.on_islands(take(params(outer), f), like_outer=True)
     inner = plan.pin_islands(inner)  # the islands are read where they live, not moved first
 
@@ -283,6 +284,7 @@ def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_o
     sent = ~missing & (finite if checked else islands.ids() + t_sync >= 0)
     mean, count, res_f, err = sync.mean_pseudo_gradient(cfg.codec, deltas, sent, res_f, outer_f, islands,
                                                         weights=weights, decay=cfg.error_decay)
+    mean = frags.join(mean)
     if residual is not None:
         residual = islands.map(lambda r, e: frags.put(r, f, e), residual, res_f)
     pg_norm = sync.tree_norm(mean)
@@ -304,15 +306,16 @@ def outer_update(plan: Plan, f: int, carry, mean):
     outer, outer_opt, _ = carry
     frags = plan.fragments
     outer_f = frags.take(params(outer), f)
-    new_f, new_opt, update = sync.outer_step(plan.outer_optimizer, mean, outer_opt[f], outer_f)
+    update, new_opt = sync.outer_updates(plan.outer_optimizer, mean, outer_opt[f], outer_f)
     outer_opt = (*outer_opt[:f], new_opt, *outer_opt[f + 1:])
-    return frags.put(outer, f, new_f), outer_opt, sync.tree_norm(update)
+    return frags.update(outer, f, sync.apply_update, update), outer_opt, sync.tree_norm(update)
 
 
 def sync_fragment(plan: Plan, f: int, t, inner, outer, outer_opt, residual, checked: bool = True):
     """Sync of fragment f inside step t: pseudo-gradients, exchange, outer step."""
     with jax.named_scope(f"fragment_{f}"):
-        deltas, finite = island_deltas(plan, f, inner, outer)
+        # lossless, the mean is taken block by block; a codec sees each leaf of f whole
+        deltas, finite = island_deltas(plan, f, inner, outer, blocks=plan.cfg.codec.lossless)
         return exchange_fragment(plan, f, t, deltas, finite, outer, outer_opt, residual, checked)
 
 
@@ -469,7 +472,7 @@ def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool
     reset (`reset_islands`), here when the backend cannot branch on island values, else by
     `apply_stage`. `at` reads the outer fragment inside an event's loop (see `when`).
     Returns (islands, their optimizer states, which were found non-finite)."""
-    take, put = plan.fragments.take, plan.fragments.put
+    take = plan.fragments.take
     if per_island:  # delayed outer updates: each island's own outer copy
         outer_f = plan.islands.map(lambda o: take(o, f, at), outer)
     else:
@@ -477,12 +480,11 @@ def apply_fragment(plan: Plan, f: int, inner, inner_opt, outer, per_island: bool
     inner = plan.pin_islands(inner)
 
     def one(island, o, ok=None):
-        own = take(params(island), f)
-        bad = ~sync.all_finite(own) if ok is None else ~ok
+        bad = ~sync.all_finite(take(params(island), f)) if ok is None else ~ok
         # a non-finite island keeps its fragment until its reset; reading `bad` here also
         # orders the check before the write, so the island is updated in place
-        new = jax.tree.map(lambda x, y: jnp.where(bad, x, y), own, sync.blend(own, o, plan.alpha))
-        return put(island, f, new), bad
+        mix = lambda x, y: jnp.where(bad, x, sync.blend(x, y, plan.alpha))  # noqa: E731
+        return plan.fragments.update(island, f, mix, o), bad
 
     inner, bad = plan.islands.map(one, inner, outer_f, *(() if finite is None else (finite,)))
     if not plan.islands.local_branches:  # a branch on `bad` would gather it from every island

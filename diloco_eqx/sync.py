@@ -83,13 +83,27 @@ def pseudo_gradient(outer: PyTree, inner: PyTree) -> PyTree:
     return jax.tree.map(delta, outer, inner)
 
 
+def outer_updates(
+    optimizer: optax.GradientTransformation, delta: PyTree, opt_state: PyTree, outer: PyTree
+) -> tuple[PyTree, PyTree]:
+    """The outer optimizer on the mean pseudo-gradient: (update, new state in the dtypes the
+    state is stored in); `apply_update` adds the update to the outer model."""
+    updates, new_state = optimizer.update(delta, opt_state, outer)
+    return updates, cast_like(new_state, opt_state)
+
+
+def apply_update(outer: Array, update: Array) -> Array:
+    """outer + update in outer's dtype, as `optax.apply_updates` computes it for one leaf."""
+    return (outer + update).astype(outer.dtype)
+
+
 def outer_step(
     optimizer: optax.GradientTransformation, delta: PyTree, opt_state: PyTree, outer: PyTree
 ) -> tuple[PyTree, PyTree, PyTree]:
     """One outer step on the mean pseudo-gradient: (new outer, new state, update). The new
     outer model and state keep the dtypes they are stored in."""
-    updates, new_state = optimizer.update(delta, opt_state, outer)
-    return optax.apply_updates(outer, updates), cast_like(new_state, opt_state), updates
+    updates, new_state = outer_updates(optimizer, delta, opt_state, outer)
+    return jax.tree.map(apply_update, outer, updates), new_state, updates
 
 
 def blend(inner: PyTree, outer: PyTree, alpha: float) -> PyTree:

@@ -185,8 +185,11 @@ class NpScheduledSGD:
         return {n: p[n] - lr * g[n] for n in p}, {"count": s["count"] + 1}
 
 
-def np_fragment_layers(order: str, n: int, p: int) -> list[list[int]]:
-    """Layer indices of fragments 1..P-1, straight from the algorithm's definitions."""
+def np_fragment_layers(order, n: int, p: int) -> list[list[int]]:
+    """Layer indices of fragments 1..P-1, straight from the algorithm's definitions (a
+    user's order, a callable, gives them itself)."""
+    if callable(order):
+        return [list(g) for g in order(n, p)]
     if order == "interleaved":
         return [[l for l in range(n) if l % (p - 1) == i - 1] for i in range(1, p)]
     m = n // (p - 1)

@@ -5,6 +5,7 @@ import re
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -58,6 +59,42 @@ def test_streaming_matches_reference_adamw(k, order, v, alpha):
         fragment_order=order, overlap_steps=v, alpha=alpha, outer_lr=0.5, outer_momentum=0.8,
     )
     assert_matches_reference(cfg, optax.adamw(0.01, weight_decay=1e-4), NpAdamW(0.01), steps=30)
+
+
+def blocks_of_one_and_two(n, p):
+    """Fragment 1 owns layers 0, 1 and 3 (a block of two and a block of one), fragment 2 layer 2."""
+    return ((0, 1, 3), (2,))
+
+
+@pytest.mark.parametrize("v,alpha", [(0, 0.5), (1, 0.0)])
+def test_fragment_of_several_blocks_matches_reference(v, alpha):
+    """A fragment whose layers form blocks of unequal length is averaged, stepped and applied
+    block by block; the result is the reference's, which updates the layers by index."""
+    cfg = dl.DiLoCoConfig(
+        num_replicas=2, sync_period=6, streaming=True, num_fragments=3, fragment_order=blocks_of_one_and_two,
+        overlap_steps=v, alpha=alpha, outer_lr=0.5, outer_momentum=0.8,
+    )
+    assert_matches_reference(cfg, optax.adamw(0.01, weight_decay=1e-4), NpAdamW(0.01), steps=18)
+
+
+@pytest.mark.parametrize("v", [0, 1])
+def test_strided_fragments_need_no_more_temporaries_than_contiguous(v):
+    """A sync of layers that are not consecutive is taken block by block: the compiled step
+    needs no more temporary memory than the same step with consecutive layers (at first a
+    strided fragment's mean, outer step and apply each copied the fragment out first: 1.7x
+    the temporaries of a contiguous one at V = 0). The inner step does nothing, so that the
+    sync's buffers are all the temporaries there are."""
+    inner = optax.set_to_zero()
+
+    def temps(order):
+        cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
+                              fragment_order=order, overlap_steps=v)
+        state = dl.init_state(make_toy(8, 4096), inner, cfg)
+        step = dl.make_train_step(cfg, lambda model, batch: jnp.zeros(()), inner)
+        return step.lower(state, np.zeros((2, 4096), np.float32)).compile().memory_analysis().temp_size_in_bytes
+
+    strided, contiguous = temps("interleaved"), temps("sequential")
+    assert strided <= contiguous + 1024, (strided, contiguous)
 
 
 @pytest.mark.parametrize("k,opt", fast_and_slow(list(itertools.product([1, 2, 4], ["sgd", "adamw"])),
