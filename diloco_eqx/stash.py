@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from diloco_eqx import mesh as mesh_lib
-from diloco_eqx.fragments import Fragmentation
+from diloco_eqx.fragments import Blocks, Fragmentation
 from diloco_eqx.sync import wide
 
 PyTree = Any
@@ -70,7 +70,8 @@ class Stash:
         every core, an in-place update of part of a buffer on one thread. A smaller one is
         written over the front of `row` in place: rebuilding the whole row would first copy
         its tail out of the buffer the result is written into."""
-        pieces = [self._to_grid(x).astype(self.dtype) for x in jax.tree.leaves(tree)]
+        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Blocks))
+        pieces = [p.astype(self.dtype) for x in leaves for p in self._pieces(x)]
         used = sum(p.shape[-1] for p in pieces)
         if row is not None and 0 < used < self.size:
             return jax.lax.dynamic_update_slice_in_dim(row, jnp.concatenate(pieces, axis=-1), 0, axis=-1)
@@ -89,6 +90,19 @@ class Stash:
 
     # ---------------------------------------------------------------- device-major order
 
+    def _pieces(self, x) -> list[Array]:
+        """Leaf x as the (fsdp, data, n) pieces its values take in a row, in order. A leaf of
+        `Blocks` is packed block by block, each read where it lies, when no device splits its
+        layer axis (each device's values are then its blocks' values one after another)."""
+        if not isinstance(x, Blocks):
+            return [self._to_grid(x)]
+        first = x.parts[0]
+        joined = jax.ShapeDtypeStruct((sum(len(p) for p in x.parts), *first.shape[1:]), first.dtype)
+        axes = self._axes(joined)
+        if axes[0]:
+            return [self._to_grid(Fragmentation.join(x))]
+        return [self._to_grid(p, axes) for p in x.parts]
+
     def _axes(self, x) -> list[tuple[str, ...]]:
         """The mesh axes (of GRID) that split each dimension of leaf x."""
         if self.mesh is None:
@@ -102,18 +116,19 @@ class Stash:
         split = math.prod(mesh_lib.axis_size(self.mesh, a) for names in self._axes(x) for a in names)
         return math.prod(np.shape(x)) // split
 
-    def _split_shape(self, x) -> tuple[list[int], list[str | None]]:
+    def _split_shape(self, x, axes=None) -> tuple[list[int], list[str | None]]:
         """x's shape with every split dimension cut into (one dim per mesh axis, rest), and
-        which mesh axis each resulting dimension is (None: within one device)."""
+        which mesh axis each resulting dimension is (None: within one device); `axes`: the
+        splits, when not x's own (a block of a leaf is split as the leaf)."""
         shape, names = [], []
-        for n, axes in zip(np.shape(x), self._axes(x)):
+        for n, axes in zip(np.shape(x), self._axes(x) if axes is None else axes):
             sizes = [mesh_lib.axis_size(self.mesh, a) for a in axes]
             shape += [*sizes, n // math.prod(sizes)]
             names += [*axes, None]
         return shape, names
 
-    def _to_grid(self, x: Array) -> Array:
-        shape, names = self._split_shape(x)
+    def _to_grid(self, x: Array, axes=None) -> Array:
+        shape, names = self._split_shape(x, axes)
         y = x.reshape(shape)
         front = [names.index(a) for a in GRID if a in names]
         y = jnp.moveaxis(y, front, list(range(len(front))))

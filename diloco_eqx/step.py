@@ -334,7 +334,8 @@ def stash_fragment(plan: Plan, f: int, pending, inner, outer):
     """At a sync with V >= 1: keep each island's pseudo-gradient of f for the next step, in
     place of the stash's rows (the stash holds one fragment; the previous one was exchanged
     at the start of this step)."""
-    return plan.islands.map(plan.stash.pack, island_deltas(plan, f, inner, outer)[0], plan.pin_stash(pending))
+    deltas = island_deltas(plan, f, inner, outer, blocks=True)[0]
+    return plan.islands.map(plan.stash.pack, deltas, plan.pin_stash(pending))
 
 
 def no_exchange(plan: Plan, outer, outer_opt, residual):

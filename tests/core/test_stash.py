@@ -14,6 +14,7 @@ import diloco_eqx as dl
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import stash as stash_lib
 from diloco_eqx.analysis import comms
+from diloco_eqx.fragments import Blocks
 from models.transformer import Transformer, TransformerConfig
 
 CFG = dl.DiLoCoConfig(num_replicas=2, sync_period=9, streaming=True, num_fragments=3, overlap_steps=1)
@@ -87,3 +88,31 @@ def test_packing_and_unpacking_on_an_island_mesh_move_nothing_between_devices(mo
     hlo = round_trip.lower(part).compile().as_text()
     assert comms.collectives(hlo) == []
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), round_trip(part), part)
+
+
+def layers_split(leaf):
+    """A user layout that splits the layer axis (axis 0) over "fsdp" where it divides."""
+    return P("fsdp") if np.ndim(leaf) and np.shape(leaf)[0] % 2 == 0 else P()
+
+
+@pytest.mark.parametrize("layout", ["none", "2x2datax2fsdp", "fsdp_only", "layers_split"])
+def test_a_fragment_packed_block_by_block_is_the_fragment_packed_whole(model, layout):
+    """An interleaved fragment handed over as `Blocks` (each run of consecutive layers read
+    where it lies) packs to the very row its joined leaves pack to, on every layout: block by
+    block where no device splits the layer axis, joined first where one does. Without a mesh
+    the row is the fragment's leaves raveled one after another (numpy)."""
+    frags, _ = fragment_sizes(model)
+    assert frags.layer_indices(1) == (0, 2)  # two blocks of one layer
+    mesh = None if layout == "none" else dl.make_mesh(diloco=2, data=2, fsdp=2)
+    specs = {"fsdp_only": fsdp_only, "layers_split": layers_split}.get(layout)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    stash = stash_lib.for_model(params, frags, mesh, specs)
+    rng = np.random.default_rng(1)
+    noisy = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    whole, blocks = frags.take(noisy, 1), frags.take(noisy, 1, blocks=True)
+    assert any(isinstance(x, Blocks) for x in jax.tree.leaves(blocks, is_leaf=lambda x: isinstance(x, Blocks)))
+    row = stash.pack(blocks)
+    np.testing.assert_array_equal(np.asarray(row), np.asarray(stash.pack(whole)))
+    if mesh is None:
+        flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(whole)])
+        np.testing.assert_array_equal(np.asarray(row)[0, 0, :flat.size], flat)
