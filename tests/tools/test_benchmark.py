@@ -244,6 +244,19 @@ def test_committed_cpu_sync_cost_blocks_json():
                    ("", "10M"): (0.33, 0.26, 0.39, "unresolved"), ("", "30M"): (0.24, 0.2, 0.29, "unresolved")}
 
 
+def test_committed_cpu_sync_cost_blocks_1m_json():
+    """benchmarks/cpu_sync_cost_blocks_1m.json (9c7e7ad, both orders in the same 100
+    repetitions): at 1M a sync's fixed costs outweigh its bytes (the vanilla sync adds 2.2 ms
+    to a 9 ms step), so a cycle of P syncs is far from 1/P in both forms (contradicted), and
+    the two orders cost the same (the paired difference's interval spans zero)."""
+    cost = json.loads((ROOT / "benchmarks" / "cpu_sync_cost_blocks_1m.json").read_text())["sync_cost"]["1M"]
+    paired = cost["cycle_over_vanilla_paired"]
+    got = {m: (round(r["mean"], 2), round(r["low"], 2), round(r["high"], 2), r["at_most_one_over_p"]) for m, r in paired.items()}
+    assert got == {"streaming": (1.01, 0.57, 1.46, "contradicted"), "streaming_v0": (0.46, 0.21, 0.7, "contradicted")}
+    d = cost["compared_order"]["layer_sync_difference_s"]
+    assert d["low"] < 0 < d["high"] and cost["compared_order"]["compared_is_cheaper"] == "unresolved"
+
+
 def test_committed_cpu_sync_cost_json():
     """benchmarks/cpu_sync_cost*.json as committed: 100 repetitions at 10M and 30M, the
     interleaved and the sequential order in two runs. Paired within each repetition, the
