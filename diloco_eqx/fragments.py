@@ -105,13 +105,9 @@ class _Layers:
         return x
 
     def write(self, x: jax.Array, v: jax.Array) -> jax.Array:
-        if self.contiguous:
-            return lax.dynamic_update_slice_in_dim(x, v, self.indices[0], axis=0)
-        # one in-place update per layer: a strided update through a reshape, or a scatter,
-        # makes XLA copy the whole stack
-        for j, layer in enumerate(self.indices):
-            x = lax.dynamic_update_slice_in_dim(x, v[j:j + 1], layer, axis=0)
-        return x
+        """x with the group's layers replaced by v's rows, one in-place update per block (a
+        strided update through a reshape, or a scatter, makes XLA copy the whole stack)."""
+        return self.update(x, lambda _, rows: rows, v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,8 +179,9 @@ class Fragmentation:
         """Fragment f of a params-shaped tree (leaves outside f become None). `at`, a zero
         that XLA cannot tell is zero (`step.when(..., zero=True)` gives one to a loop body),
         makes the read depend on it, so that XLA keeps it, and what is computed from it,
-        inside the loop, and copies only the fragment. With `blocks`, a layer leaf whose
-        layers are not consecutive comes as `Blocks` (for elementwise work; see `join`)."""
+        inside the loop, and copies only the fragment. With `blocks` (and no `at`), a layer
+        leaf whose layers are not consecutive comes as `Blocks` (for elementwise work; see
+        `join`)."""
         return jax.tree.map(self._take_leaf(f, at, blocks), tree, self.layer_mask, is_leaf=_is_none)
 
     @staticmethod
