@@ -94,12 +94,14 @@ class _Layers:
                 runs.append((layer, j, 1))
         return tuple(runs)
 
-    def update(self, x: jax.Array, fn: Callable, *parts: jax.Array) -> jax.Array:
+    def update(self, x: jax.Array, fn: Callable, *parts: jax.Array | Blocks) -> jax.Array:
         """x with the group's layers replaced by fn(those layers, *parts' matching rows), block
         by block of consecutive layers: each block is read and written in place by one fusion,
-        where reading the whole group first would copy it out."""
-        for first, at, n in self.runs:
-            rows = [lax.slice_in_dim(p, at, at + n, axis=0) for p in parts]
+        where reading the whole group first would copy it out. A part given as `Blocks`
+        gives its blocks as they are."""
+        for i, (first, at, n) in enumerate(self.runs):
+            rows = [p.parts[i] if isinstance(p, Blocks) else lax.slice_in_dim(p, at, at + n, axis=0)
+                    for p in parts]
             new = fn(lax.slice_in_dim(x, first, first + n, axis=0), *rows)
             x = lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), first, axis=0)
         return x
@@ -199,8 +201,9 @@ class Fragmentation:
 
     def update(self, tree: PyTree, f: int, fn: Callable, *parts: PyTree) -> PyTree:
         """`put(tree, f, fn(take(tree, f), *parts))` for an elementwise `fn` of arrays (each
-        part shaped like `take(tree, f)`), computed where each layer lives: a fragment of
-        layers that are not consecutive is never copied out of the stack and back."""
+        part shaped like `take(tree, f)`, with or without `blocks`), computed where each layer
+        lives: a fragment of layers that are not consecutive is never copied out of the stack
+        and back."""
         def one(x, is_layer, *ps):
             if ps[0] is None:
                 return x

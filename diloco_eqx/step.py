@@ -219,6 +219,18 @@ def _loop_variant(trip: Int[Array, ""], tree: PyTree) -> PyTree:
     return jax.tree.map(one, tree)
 
 
+def written_out(tree: PyTree, t: Int[Array, ""]) -> PyTree:
+    """`tree` written to buffers of its own: passed through a loop of no trips that XLA
+    cannot see has none (t >= 0). A reader of cheap elementwise work otherwise recomputes it
+    in its own fusion from the inputs (an optimization barrier does not stop XLA:CPU)."""
+    def body(state):
+        trip, x = state
+        return trip + 1, _loop_variant(trip, x)
+
+    trips = (jnp.asarray(t) < 0).astype(jnp.int32)
+    return lax.while_loop(lambda state: state[0] < trips, body, (jnp.zeros((), jnp.int32), tree))[1]
+
+
 # ---------------------------------------------------------------- the inner step
 
 
@@ -407,8 +419,10 @@ def sync_fragment_delayed(plan: Plan, f: int, t, inner, island_outer: delayed_li
     """Round t of fragment f with the exchange in flight for `outer_delay` rounds: each island
     steps its own outer copy on the rule of delayed.py, and keeps this round's mean for the
     round it arrives in. The mean is taken now (the numbers); that it would cross the link
-    during the next rounds is what the mode models."""
-    take, put, islands, cfg = plan.fragments.take, plan.fragments.put, plan.islands, plan.cfg
+    during the next rounds is what the mode models. Fragments are read as `Blocks` and
+    written block by block in place, as in `sync_fragment`."""
+    frags, islands, cfg = plan.fragments, plan.islands, plan.cfg
+    take, mode = partial(frags.take, blocks=True), cfg.delayed_outer
     with jax.named_scope(f"fragment_{f}"):
         own_outer = islands.map(lambda o: take(o, f), island_outer.params)
 
@@ -419,8 +433,7 @@ def sync_fragment_delayed(plan: Plan, f: int, t, inner, island_outer: delayed_li
         deltas, finite = islands.map(one, plan.pin_islands(inner), own_outer)
         ok = finite & ~cfg.fault_model.missing(t, islands.ids(), deltas)
         weights = plan.island_weights(t)
-        like = jax.tree.map(lambda x: x[0], deltas)
-        mean, count, _, _ = sync.mean_pseudo_gradient(cfg.codec, deltas, ok, None, like, islands, weights=weights)
+        mean, count, _, _ = sync.mean_pseudo_gradient(cfg.codec, deltas, ok, None, None, islands, weights=weights)
         w = jnp.ones(ok.shape, jnp.float32) if weights is None else weights
         ok = ok & (w > 0)
         share = jnp.where(ok, w, 0.0) / jnp.maximum(islands.sum(jnp.where(ok, w, 0.0)), 1e-30)
@@ -429,17 +442,23 @@ def sync_fragment_delayed(plan: Plan, f: int, t, inner, island_outer: delayed_li
         j = delayed_lib.slot(plan.schedule, cfg.outer_delay, t)
         slot_now = delayed_lib.read_slot(island_outer.in_flight, j)
         arrived = islands.map(lambda u: take(u, f), slot_now)
-        mode = cfg.delayed_outer
+        # Every read of the old outer copies and in-flight slot ends in these buffers (one
+        # array each, as the outer state holds f), which both in-place writes then read: each
+        # write waits for them, where the outer write reading the slot and the slot's write
+        # reading the outer copies (through the mean) left XLA no order for them and it copied
+        # both whole trees on every sync.
+        mean, fresh, arrived = written_out((frags.join(mean), islands.map(frags.join, fresh) if mode == "eager"
+                                            else None, islands.map(frags.join, arrived)), t)
         step_on = islands.map(partial(delayed_lib.outer_delta, mode), fresh, expected, arrived)
         u = islands.map(lambda d, sh: delayed_lib.in_flight_part(mode, mean, d, sh), fresh, share)
-        opt = island_outer.opt_state[f]
-        new_outer, new_opt, update = islands.map(partial(sync.outer_step, plan.outer_optimizer), step_on, opt, own_outer)
-        slot_j = islands.map(lambda all_u, uf: put(all_u, f, uf), slot_now, u)
+        update, new_opt = islands.map(lambda d, st, o: sync.outer_updates(plan.outer_optimizer, d, st, frags.join(o)),
+                                      step_on, island_outer.opt_state[f], own_outer)
+        new_outer = islands.map(lambda o, up: frags.update(o, f, sync.apply_update, up), island_outer.params, update)
+        slot_j = islands.map(lambda all_u, uf: frags.update(all_u, f, lambda _, new: new, uf), slot_now, u)
         report = SyncMetrics(sync.tree_norm(mean), islands.mean(islands.map(sync.tree_norm, update)), count, None)
         return delayed_lib.IslandOuter(
-            islands.map(lambda o, n: put(o, f, n), island_outer.params, new_outer),
-            (*island_outer.opt_state[:f], new_opt, *island_outer.opt_state[f + 1:]),
-            delayed_lib.write_slot(island_outer.in_flight, j, slot_j)), report
+            new_outer, (*island_outer.opt_state[:f], new_opt, *island_outer.opt_state[f + 1:]),
+            delayed_lib.write_slot(island_outer.in_flight, j, slot_j)), report, finite
 
 
 def _all_weights(plan: Plan, t):
@@ -450,12 +469,13 @@ def _all_weights(plan: Plan, t):
 
 
 def delayed_sync_stage(plan: Plan, t, inner, island_outer):
-    """The delayed form's sync of fragment f(t), if t is a sync step: (island outer, report)."""
-    s, p = plan.schedule, plan.schedule.num_fragments
+    """The delayed form's sync of fragment f(t), if t is a sync step: (island outer, report,
+    which islands the sync found finite)."""
+    s, p, islands = plan.schedule, plan.schedule.num_fragments, plan.islands
     branches = [lambda c, i, f=f: sync_fragment_delayed(plan, f, t, i, c[0]) for f in range(p)]
-    carry = (island_outer, SyncMetrics.zeros(plan.islands, False))
+    carry = (island_outer, no_report(plan), islands.local(jnp.ones((islands.local_count,), bool)))
     return when(s.is_sync(t), s.fragment_at(t), branches, carry, inner,
-                pin=lambda out: (plan.pin_islands(out[0]), out[1]))
+                pin=lambda out: (plan.pin_islands(out[0]), *out[1:]))
 
 
 def consensus(plan: Plan, s: DiLoCoState) -> PyTree:
@@ -620,12 +640,23 @@ def no_reset(plan: Plan) -> Bool[Array, " k"]:
 
 
 def delayed_step(plan: Plan, s: DiLoCoState, t, inner, inner_opt, losses) -> tuple[DiLoCoState, StepReport]:
-    """After the inner step, with delayed outer updates: each island's outer step on its own
-    copy, then the apply from that copy."""
-    with jax.named_scope("diloco_sync"):
-        island_outer, report = delayed_sync_stage(plan, t, inner, s.island_outer)
-    with jax.named_scope("diloco_apply"):
-        inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, island_outer.params, per_island=True)
+    """After the inner step, with delayed outer updates (V = 0): each island's outer step on
+    its own copy, then the apply from that copy, which takes the sync's finding of which
+    islands are finite."""
+    def events(c):
+        inner, inner_opt, island_outer, _, _ = c
+        with jax.named_scope("diloco_sync"):
+            island_outer, report, finite = delayed_sync_stage(plan, t, inner, island_outer)
+        with jax.named_scope("diloco_apply"):
+            inner, inner_opt, reset = apply_stage(plan, t, inner, inner_opt, island_outer.params, per_island=True,
+                                                  finite=finite)
+        return inner, inner_opt, island_outer, report, reset
+
+    def pin(c):
+        return (*plan.pin_islands(c[:3]), *c[3:])
+
+    inner, inner_opt, island_outer, report, reset = after_inner(
+        plan, t, events, (inner, inner_opt, s.island_outer, no_report(plan), no_reset(plan)), pin)
     new = dataclasses.replace(s, inner_model=inner, inner_opt_state=inner_opt, step=t, island_outer=island_outer)
     return new, StepReport(t, losses, report, reset)
 

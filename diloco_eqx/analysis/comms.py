@@ -288,11 +288,22 @@ def every_step_copies(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     """(dtype, dims) of every array that the `copy` instructions running on every call
     write (outside fusions, in computations reachable without entering a branch): what XLA
     copies on a step without an event, to compare with plain training's program."""
+    return _copies(hlo, unconditional_computations(hlo))
+
+
+def event_copies(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of every array copied (as in `every_step_copies`) in the computations
+    that run only on some calls: a sync's, an apply's. A copy of a whole stacked layer leaf
+    there means XLA found no order for an in-place update of a fragment."""
+    return _copies(hlo, branch_computations(hlo))
+
+
+def _copies(hlo: str, computations: set[str]) -> list[tuple[str, tuple[int, ...]]]:
     comps, _ = _parse(hlo)
     fused = {c for lines in comps.values() for line in lines if " fusion(" in line
              for key, c in _CALLEE.findall(line) if key == "calls"}
     out = []
-    for comp in unconditional_computations(hlo) - fused:
+    for comp in computations - fused:
         for line in comps[comp]:
             m = _INSTRUCTION.match(line)
             if m and m.group(3) == "copy":

@@ -70,7 +70,7 @@ def test_unconditional_and_branch_computations():
     assert comms.branch_computations(HLO) == {"sync_branch", "skip_branch", "add", "event_body"}
 
 
-def test_every_step_copy_bytes_skips_branches_and_fusions():
+def test_copies_every_step_and_in_events_skip_fusions():
     hlo = HLO.replace("  ROOT %s = f32[] add(%a, %b)", "  %c1 = f32[16]{0} copy(%a)\n  ROOT %s = f32[] add(%a, %b)")
     hlo = hlo.replace("  ROOT %q = (s32[], f32[2]) parameter(0)\n}", "  %c2 = bf16[3,5]{1,0} copy(%q)\n  ROOT %q = (s32[], f32[2]) parameter(0)\n}")
     hlo = hlo.replace("  ROOT %x = f32[2] parameter(0)\n}", "  %c3 = f32[7]{0} copy(%x)\n  ROOT %x = f32[2] parameter(0)\n}")
@@ -78,6 +78,8 @@ def test_every_step_copy_bytes_skips_branches_and_fusions():
     # main's ROOT copy (f32[2]) and the scan body's (bf16[3,5]) run every step; `add` is
     # reached only from the sync branch, `fused` is a fusion's body, c4 sits in a branch
     assert comms.every_step_copy_bytes(hlo) == 2 * 4 + 3 * 5 * 2
+    # and the events' copies are the other two that no fusion holds
+    assert sorted(comms.event_copies(hlo)) == [("f32", (9,)), ("f32", (16,))]
 
 
 def test_bytes_sent_matches_a_step_by_step_count():

@@ -9,13 +9,15 @@ import pytest
 import diloco_eqx as dl
 from diloco_eqx import delayed
 from tests.helpers import N_LAYERS, WIDTH, batches
-from tests.reference import NpAdamW, NpNesterov, make_toy, np_run_delayed, toy_loss, toy_to_numpy
+from tests.reference import NpAdamW, NpNesterov, NpSGD, make_toy, np_run_delayed, toy_loss, toy_to_numpy
 
 CASES = {
     "naive": dict(delayed_outer="naive"),
     "eager": dict(delayed_outer="eager"),
     "eager_d2": dict(delayed_outer="eager", outer_delay=2),
     "eager_streaming": dict(delayed_outer="eager", streaming=True, num_fragments=3, alpha=0.5),
+    "naive_streaming_sequential_d2": dict(delayed_outer="naive", streaming=True, num_fragments=3, alpha=0.3,
+                                          fragment_order="sequential", outer_delay=2),
     "eager_tokens_drop": dict(delayed_outer="eager", island_speed=(1.0, 0.5, 1.0, 0.25), island_weighting="tokens",
                               drops=((6, 2),)),
 }
@@ -42,7 +44,7 @@ def test_step_matches_reference(case):
     dropped = (lambda t, i: (t, i) in cfg.drops) if cfg.drops else None
     ref_losses, ref_mean, ref_outers = np_run_delayed(
         toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=k, h=3, inner=NpAdamW(0.02), mode=cfg.delayed_outer,
-        delay=cfg.outer_delay, streaming=cfg.streaming, p=cfg.num_fragments, alpha=cfg.alpha,
+        delay=cfg.outer_delay, streaming=cfg.streaming, p=cfg.num_fragments, order=cfg.fragment_order, alpha=cfg.alpha,
         outer_opt=NpNesterov(0.7, 0.9), speeds=cfg.island_steps, weighting=cfg.island_weighting, dropped=dropped)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     for n, got in toy_to_numpy(step.outer_model(state)).items():
@@ -51,6 +53,37 @@ def test_step_matches_reference(case):
     for i in range(k):
         for n, got in copies.items():
             np.testing.assert_allclose(got[i], ref_outers[i][n], rtol=2e-5, atol=2e-5)
+
+
+# the NumPy reference steps the poisoned island too; its NaN stays out of every mean
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_non_finite_island_is_reset_to_its_own_outer_copy():
+    """Island 1 sees a NaN batch at t = 5: the sync at t = 6 leaves it out (1 contributor),
+    and the apply resets it to its own outer copy, as the reference has it when island 1 is
+    dropped from that sync (naive, SGD: the reset island then trains as the reference's)."""
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, delayed_outer="naive")
+    data = batches(12)
+    data[4] = data[4].copy()
+    data[4][4:] = np.nan  # island 1's rows
+    inner = optax.sgd(0.05)
+    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
+    step = dl.make_train_step(cfg, toy_loss, inner)
+    losses, resets, contributed = [], {}, {}
+    for x in data:
+        state, m = step(state, x)
+        losses.append([m["loss_island_0"], m["loss_island_1"]])
+        resets[int(m["step"])] = int(m.get("islands_reset", 0))
+        contributed[int(m["step"])] = int(m.get("islands_contributed", 0))
+    assert {t: n for t, n in resets.items() if n} == {6: 1}
+    assert [contributed[t] for t in (3, 6, 9, 12)] == [2, 1, 2, 2]
+    ref_losses, ref_mean, _ = np_run_delayed(
+        toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=2, h=3, inner=NpSGD(0.05), mode="naive",
+        dropped=lambda t, i: (t, i) == (6, 1))
+    losses = np.array(losses)
+    assert np.isnan(losses[4:6, 1]).all() and np.isfinite(losses[6:]).all()  # back after the apply at t = 6
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    for n, got in toy_to_numpy(step.outer_model(state)).items():
+        np.testing.assert_allclose(got, ref_mean[n], rtol=2e-5, atol=2e-5)
 
 
 def test_modes_differ_and_eager_copies_drift_apart():

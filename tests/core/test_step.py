@@ -1,6 +1,7 @@
 """make_train_step against the independent NumPy reference, and its degenerate cases."""
 
 import itertools
+import math
 import re
 
 import equinox as eqx
@@ -11,6 +12,7 @@ import optax
 import pytest
 
 import diloco_eqx as dl
+from diloco_eqx.analysis import comms
 from tests.helpers import N_LAYERS, WIDTH, batches, count_compilations, fast_and_slow, reference_run, run_jax
 from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
 
@@ -95,6 +97,36 @@ def test_strided_fragments_need_no_more_temporaries_than_contiguous(v):
 
     strided, contiguous = temps("interleaved"), temps("sequential")
     assert strided <= contiguous + 1024, (strided, contiguous)
+
+
+EVENT_MODES = {
+    "vanilla": dict(),
+    "streaming_v0": dict(streaming=True, num_fragments=3),
+    "streaming_v1": dict(streaming=True, num_fragments=3, overlap_steps=1),
+    "delayed_naive": dict(streaming=True, num_fragments=3, delayed_outer="naive"),
+    "delayed_eager_sequential": dict(streaming=True, num_fragments=3, delayed_outer="eager",
+                                     fragment_order="sequential"),
+}
+
+
+@pytest.mark.parametrize("mode", list(EVENT_MODES))
+def test_events_copy_no_island_layer_stack(mode):
+    """A sync and an apply update fragments in place: the compiled events copy no array as
+    large as one stacked leaf of the islands. With delayed outer updates the outer write read
+    the in-flight slot and the slot's write the outer copies (through the mean); until both
+    read buffers written out first, XLA found no order for the two writes and copied every
+    stacked leaf of both trees twice on each sync (10M, a layer fragment's sync: 30-44 ms,
+    then 13-22). The inner step does nothing, so the events' buffers are the large ones."""
+    k, layers, width = 2, 8, 4096
+    cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=6, **EVENT_MODES[mode])
+    inner = optax.set_to_zero()
+    state = dl.init_state(make_toy(layers, width), inner, cfg)
+    step = dl.make_train_step(cfg, lambda model, batch: jnp.zeros(()), inner)
+    hlo = step.lower(state, np.zeros((2, width), np.float32)).compile().as_text()
+    copied = comms.event_copies(hlo)
+    assert copied, "no copy at all: the HLO parse found nothing to check"
+    largest = max(copied, key=lambda c: math.prod(c[1]))
+    assert math.prod(largest[1]) < k * layers * width, largest
 
 
 @pytest.mark.parametrize("k,opt", fast_and_slow(list(itertools.product([1, 2, 4], ["sgd", "adamw"])),
