@@ -454,7 +454,7 @@ def sync_fragment_delayed(plan: Plan, f: int, t, inner, island_outer: delayed_li
         update, new_opt = islands.map(lambda d, st, o: sync.outer_updates(plan.outer_optimizer, d, st, frags.join(o)),
                                       step_on, island_outer.opt_state[f], own_outer)
         new_outer = islands.map(lambda o, up: frags.update(o, f, sync.apply_update, up), island_outer.params, update)
-        slot_j = islands.map(lambda all_u, uf: frags.update(all_u, f, lambda _, new: new, uf), slot_now, u)
+        slot_j = islands.map(lambda all_u, uf: frags.put(all_u, f, uf), slot_now, u)
         report = SyncMetrics(sync.tree_norm(mean), islands.mean(islands.map(sync.tree_norm, update)), count, None)
         return delayed_lib.IslandOuter(
             new_outer, (*island_outer.opt_state[:f], new_opt, *island_outer.opt_state[f + 1:]),
