@@ -60,7 +60,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 def _parser() -> argparse.ArgumentParser:
-    from diloco_eqx.config import DiLoCoConfig
+    from diloco_eqx.config import DELAYED_OUTER, DiLoCoConfig
     from diloco_eqx.training.cli import add_flags
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per phase")
     add_flags(parser, DiLoCoConfig(sync_period=100, streaming=True, num_fragments=5),
               only=("sync_period", "num_fragments", "fragment_order"))
+    parser.add_argument("--delayed-outer", default=None, choices=DELAYED_OUTER[1:],
+                        help="with --sync-cost-only: also time Streaming with V = 0 and this delayed_outer in the "
+                             "same repetitions, and compare its syncs with V = 0's, paired")
     parser.add_argument("--compare-order", default=None, metavar="NAME",
                         help="with --sync-cost-only: also time Streaming on this fragment order in the same "
                              "repetitions and compare its syncs with --fragment-order's, paired")
@@ -122,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--fragment-order: only with --sync-cost-only (every other section times the "
                      f"default order, {default_order!r})")
     _check_order(parser, args.fragment_order)
+    if args.delayed_outer is not None and not args.sync_cost_only:
+        parser.error("--delayed-outer: only with --sync-cost-only (it adds a mode to that section's steps)")
     if args.compare_order is not None:
         if not args.sync_cost_only:
             parser.error("--compare-order: only with --sync-cost-only (it adds a mode to that section's steps)")
@@ -161,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_orders(result["cpu_orders"]))
     elif args.sync_cost_only:
         result = run_sync_cost(sizes, reps, args.sync_period, args.num_fragments, args.dtype, args.fragment_order,
-                               args.compare_order)
+                               args.compare_order, args.delayed_outer)
         print("\n".join(_format_sync_cost(result["sync_cost"])))
     else:
         result = run(sizes, meshes, reps, args.sync_period, args.num_fragments, backends=args.backends,
@@ -439,7 +444,8 @@ def _memory_by_mode(size: Size, mesh_name: str, checks: dict, memory: dict, k: i
 
 
 def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
-              fragment_order: str | None = None, compare_order: str | None = None) -> dict:
+              fragment_order: str | None = None, compare_order: str | None = None,
+              delayed_outer: str | None = None) -> dict:
     """What a sync adds to a step, against the floor of the bytes it must touch (no mesh).
 
     The batch is 2 sequences of 8 tokens, so the inner step is short and the differences are
@@ -463,7 +469,10 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     (`streaming_v0`: no stash, the sync and apply in one step) is timed in the same
     repetitions too: its syncs move a vanilla sync's bytes per parameter, so a cycle of them
     against one vanilla sync is where 1/P is owed; `cycle_over_vanilla_paired` gives both
-    forms' cycles over vanilla's, one ratio per cycle of P repetitions, with the interval."""
+    forms' cycles over vanilla's, one ratio per cycle of P repetitions, with the interval.
+    With `delayed_outer` ("naive" or "eager"), V = 0 with that delayed outer update is timed
+    in the same repetitions too (`delayed`): each island keeps its own outer copy, so its
+    sync moves more bytes than V = 0's, and `delayed` pairs the two per layer fragment."""
     import numpy as np
 
     import diloco_eqx as dl
@@ -478,8 +487,9 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     if compare_order is not None:
         streamings["compared"] = dataclasses.replace(streaming, fragment_order=compare_order)
     direct = dataclasses.replace(streaming, overlap_steps=0)
+    delayed = None if delayed_outer is None else dataclasses.replace(direct, delayed_outer=delayed_outer)
     floor_bytes, stream_bytes, references = _sync_cost_references(model, k, vanilla, num_fragments)
-    times, synced, reps = _sync_cost_times(model, k, vanilla, streamings, references, reps, direct)
+    times, synced, reps = _sync_cost_times(model, k, vanilla, streamings, references, reps, direct, delayed)
     del references
     floor, stream_floor, by_hand, minimal = (float(np.median(times[r]))
                                              for r in ("floor", "stream_floor", "by_hand", "minimal"))
@@ -501,6 +511,8 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     extras = {"streaming": _sync_extras(times, "streaming"), "streaming_v0": _sync_extras(times, "streaming_v0")}
     compared = {} if compare_order is None else {"compared_order": _compared_order(
         times, synced, model, streamings["compared"], vanilla_extra)}
+    if delayed is not None:
+        compared["delayed"] = _delayed_syncs(times, synced, model, delayed, vanilla_extra)
     return {**compared, "streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
             "streaming_v0_per_fragment": [{"fragment": p["fragment"], "layers": p["layers"],
@@ -550,12 +562,13 @@ def _sync_cost_references(model, k: int, vanilla, num_fragments: int) -> tuple[i
 
 
 def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict, reps: int,
-                     direct) -> tuple[dict, list[int], int]:
+                     direct, delayed=None) -> tuple[dict, list[int], int]:
     """(seconds of every phase and reference in each timed repetition, the fragment each
     repetition's Streaming sync was of, the repetitions timed: `reps` rounded up to a
     multiple of P so every fragment's sync is timed equally often). Two repetitions before
     them warm up. With two Streaming modes (two fragment orders), they take turns going first;
-    `direct` (V = 0) syncs and applies the same fragment in the step that ends at the stash's t."""
+    `direct` (V = 0) syncs and applies the same fragment in the step that ends at the stash's t,
+    and so does `delayed` (V = 0 with a delayed outer update), when given."""
     import numpy as np
     import optax
 
@@ -566,7 +579,8 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
     inner = optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
     steps = {"plain": list(make_plain_step(model, loss_fn, inner, k))}
-    for name, cfg in (("diloco", vanilla), *streamings.items(), ("streaming_v0", direct)):
+    v0_forms = [("streaming_v0", direct)] + ([] if delayed is None else [("delayed", delayed)])
+    for name, cfg in (("diloco", vanilla), *streamings.items(), *v0_forms):
         steps[name] = [dl.init_state(model, inner, cfg), dl.make_train_step(cfg, loss_fn, inner)]
     placed = {m: step.place_batch(batch) for m, (_, step) in steps.items()}
     first = next(iter(streamings.values()))  # the orders share the schedule
@@ -575,7 +589,7 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
     def phases(rep):  # two Streaming modes take turns going first
         modes = list(streamings)[::-1 if rep % 2 else 1]
         return [("plain", None), ("diloco", 5), ("diloco", h), *[(m, t) for m in modes for t in (5, "sync", "after")],
-                ("streaming_v0", 5), ("streaming_v0", "sync")]
+                *[(m, t) for m, _ in v0_forms for t in (5, "sync")]]
 
     times, synced = {key: [] for key in [*phases(0), *references]}, []
     reps = -(-reps // p) * p
@@ -650,6 +664,29 @@ def _compared_order(times: dict, synced: list[int], model, cfg, vanilla_extra: f
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
             "layer_sync_difference_s": {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "n": d["n"]},
             "compared_is_cheaper": verdict}
+
+
+def _delayed_syncs(times: dict, synced: list[int], model, cfg, vanilla_extra: float) -> dict:
+    """The V = 0 syncs with `cfg.delayed_outer` (timed as mode "delayed") against plain V = 0's
+    in the same repetitions: per fragment and over a cycle, and the mean over the layer
+    fragments' repetitions of the difference of the two syncs' extras (delayed minus V = 0,
+    seconds, each over its own mode's no-event step) with its 95% interval, and their ratio
+    of means."""
+    import numpy as np
+
+    from experiments.stats import interval
+
+    per = _per_fragment(times, synced, cfg.num_fragments, model, cfg, vanilla_extra, mode="delayed")
+    extras = {m: _sync_extras(times, m) for m in ("delayed", "streaming_v0")}
+    layers = np.asarray(synced) != 0
+    d = interval(list((extras["delayed"] - extras["streaming_v0"])[layers]))
+    return {"delayed_outer": cfg.delayed_outer,
+            "per_fragment": [{"fragment": p["fragment"], "layers": p["layers"], "param_fraction": p["param_fraction"],
+                              "reps": p["reps"], "sync_apply_extra_s": p["stash_extra_s"],
+                              "over_vanilla": p["over_vanilla"]} for p in per],
+            "cycle_extra_s": sum(p["stash_extra_s"] for p in per) / cfg.num_fragments,
+            "layer_sync_minus_v0_s": {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "n": d["n"]},
+            "layer_sync_over_v0": float(np.mean(extras["delayed"][layers]) / np.mean(extras["streaming_v0"][layers]))}
 
 
 def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg, vanilla_extra: float,
@@ -1069,9 +1106,10 @@ def format_exchange_placement(result: dict) -> str:
 
 
 def run_sync_cost(sizes, reps: int, sync_period: int, num_fragments: int, dtype: str = "float32",
-                  fragment_order: str | None = None, compare_order: str | None = None) -> dict:
+                  fragment_order: str | None = None, compare_order: str | None = None,
+                  delayed_outer: str | None = None) -> dict:
     costs = {size.name: sync_cost(_model(size, dtype), 2, sync_period, num_fragments, reps, fragment_order,
-                                  compare_order) for size in sizes}
+                                  compare_order, delayed_outer) for size in sizes}
     return {"sync_cost": costs, **_settings_and_machine(sync_period, num_fragments, reps), "dtype": dtype}
 
 
@@ -1528,6 +1566,15 @@ def _format_sync_cost(costs: dict) -> list[str]:
                                f"{m} {r['mean']:.2f} [{r['low']:.2f}, {r['high']:.2f}] over {r['cycles']} cycles "
                                f"(≤ 1/P = {c['one_over_p']:.2f}: {r['at_most_one_over_p']})"
                                for m, r in c["cycle_over_vanilla_paired"].items()))
+        if (dl_ := c.get("delayed")) is not None:
+            d = dl_["layer_sync_minus_v0_s"]
+            lines.append(
+                f"{name} V = 0 sync per fragment with delayed_outer={dl_['delayed_outer']!r} (÷ vanilla's): " + ", ".join(
+                    f"{p['fragment']}: {1e3 * p['sync_apply_extra_s']:.1f} ms = {p['over_vanilla']:.2f}"
+                    for p in dl_["per_fragment"])
+                + f"; mean over a cycle {1e3 * dl_['cycle_extra_s']:.1f} ms; a layer fragment's sync minus V = 0's: "
+                  f"{1e3 * d['mean']:+.2f} ms [{1e3 * d['low']:+.2f}, {1e3 * d['high']:+.2f}] over {d['n']} reps "
+                  f"({dl_['layer_sync_over_v0']:.2f}x V = 0's)")
         if (o := c.get("compared_order")) is not None:
             d = o["layer_sync_difference_s"]
             lines.append(

@@ -244,6 +244,28 @@ def test_committed_cpu_sync_cost_blocks_json():
                    ("", "10M"): (0.33, 0.26, 0.39, "unresolved"), ("", "30M"): (0.24, 0.2, 0.29, "unresolved")}
 
 
+def test_committed_cpu_sync_cost_delayed_json():
+    """benchmarks/cpu_sync_cost_delayed*.json: V = 0 with delayed outer updates beside plain
+    V = 0 in the same 100 repetitions, before (c250290, whole-tree copies on every sync) and
+    after the sync wrote in place (naive at 10M and 30M, eager at 10M). A layer fragment's
+    delayed sync went from 4.2-4.7x V = 0's to 2.0-2.6x; every interval excludes zero. The
+    record's figures are these."""
+    got = {}
+    for name in ("", "_c250290", "_eager", "_eager_c250290"):
+        result = json.loads((ROOT / "benchmarks" / f"cpu_sync_cost_delayed{name}.json").read_text())
+        assert result["settings"]["reps"] == 100
+        for size, cost in result["sync_cost"].items():
+            d = cost["delayed"]
+            assert d["delayed_outer"] == ("eager" if "eager" in name else "naive")
+            assert [p["reps"] for p in d["per_fragment"]] == [20] * 5
+            diff = d["layer_sync_minus_v0_s"]
+            assert diff["n"] == 80 and diff["low"] > 0
+            got[name, size] = (round(d["layer_sync_over_v0"], 2), round(1e3 * diff["mean"], 1))
+    assert got == {("", "10M"): (1.95, 8.8), ("", "30M"): (2.07, 22.4), ("_c250290", "10M"): (4.21, 27.1),
+                   ("_c250290", "30M"): (4.68, 78.7), ("_eager", "10M"): (2.59, 12.0),
+                   ("_eager_c250290", "10M"): (4.37, 25.2)}
+
+
 def test_committed_cpu_sync_cost_blocks_1m_json():
     """benchmarks/cpu_sync_cost_blocks_1m.json (9c7e7ad, both orders in the same 100
     repetitions): at 1M a sync's fixed costs outweigh its bytes (the vanilla sync adds 2.2 ms
@@ -345,6 +367,8 @@ def test_committed_gpu_h200_nonsync_json():
     (["--sync-cost-only", "--fragment-order", "reversed", "--json", "t"],
      "--fragment-order: fragment_order must be one of ('interleaved', 'sequential')"),
     (["--compare-order", "sequential", "--json", "t"], "--compare-order: only with --sync-cost-only"),
+    (["--delayed-outer", "eager", "--json", "t"], "--delayed-outer: only with --sync-cost-only"),
+    (["--sync-cost-only", "--delayed-outer", "lazy", "--json", "t"], "--delayed-outer: invalid choice: 'lazy'"),
     (["--sync-cost-only", "--compare-order", "interleaved", "--json", "t"],
      "--compare-order: 'interleaved' is --fragment-order's own"),
     (["--sync-cost-only", "--compare-order", "reversed", "--json", "t"],
@@ -422,19 +446,47 @@ def test_cycle_ratio_pairs_each_cycle_of_p_consecutive_repetitions(streaming, wa
     assert got["at_most_one_over_p"] == want[3] and got["cycles"] == len(streaming) // 2
 
 
+def test_delayed_syncs_are_paired_with_v0_on_the_layer_fragments():
+    """`--delayed-outer`'s summary on hand-made times (P = 3, fragments 1, 2, 0, 1, 2, 0):
+    each fragment's median extra, their mean over a cycle, and delayed minus V = 0 over the
+    four layer-fragment repetitions, 2, 3, 3, 4 ms: mean 3, s = √(2/3), half-width
+    t(0.975, 3)·s/√4 = 3.182446·0.816497/2 = 1.299228; means 5.5 and 2.5 ms, ratio 2.2."""
+    import dataclasses
+
+    import diloco_eqx as dl
+    from tests.reference import make_toy
+    from tools.benchmark import _delayed_syncs
+
+    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3, delayed_outer="naive")
+    ms = lambda *xs: [x / 1e3 for x in xs]  # noqa: E731
+    times = {("delayed", 5): ms(*[1] * 6), ("delayed", "sync"): ms(5, 7, 2, 6, 8, 3),
+             ("streaming_v0", 5): ms(*[2] * 6), ("streaming_v0", "sync"): ms(4, 5, 3, 4, 5, 3)}
+    got = _delayed_syncs(times, [1, 2, 0, 1, 2, 0], make_toy(4, 3), dataclasses.replace(cfg), vanilla_extra=0.01)
+    assert got["delayed_outer"] == "naive"
+    per = got["per_fragment"]
+    assert [p["layers"] for p in per] == [[], [0, 2], [1, 3]] and [p["reps"] for p in per] == [2, 2, 2]
+    assert [p["sync_apply_extra_s"] for p in per] == pytest.approx(ms(1.5, 4.5, 6.5))
+    assert [p["over_vanilla"] for p in per] == pytest.approx([0.15, 0.45, 0.65])
+    assert got["cycle_extra_s"] == pytest.approx(12.5 / 3 / 1e3)
+    d = got["layer_sync_minus_v0_s"]
+    assert (d["mean"], d["low"], d["high"], d["n"]) == pytest.approx((3e-3, 1.700772e-3, 4.299228e-3, 4), rel=1e-5)
+    assert got["layer_sync_over_v0"] == pytest.approx(2.2)
+
+
 @pytest.mark.slow
 def test_sync_cost_only_json_with_the_sequential_order(tmp_path):
     """`--sync-cost-only --fragment-order sequential` times Streaming on contiguous layer
     groups: with P = 3 the 1M model's 4 layers go to fragments 1 and 2 as {0, 1} and {2, 3};
     `--compare-order interleaved` times {0, 2} and {1, 3} in the same repetitions, paired
-    over the 4 repetitions that synced a layer fragment, with the verdict its interval gives."""
+    over the 4 repetitions that synced a layer fragment, with the verdict its interval gives;
+    `--delayed-outer eager` times V = 0 with eager delayed outer updates beside V = 0."""
     import numpy as np
 
     from tools.benchmark import _format_sync_cost
 
     result = benchmark_json(tmp_path, "--sync-cost-only", "--sizes", "1M", "--reps", "6",
                             "--fragment-order", "sequential", "--num-fragments", "3",
-                            "--compare-order", "interleaved")
+                            "--compare-order", "interleaved", "--delayed-outer", "eager")
     cost = result["sync_cost"]["1M"]
     assert cost["fragment_order"] == "sequential"
     per = cost["streaming_per_fragment"]
@@ -447,8 +499,13 @@ def test_sync_cost_only_json_with_the_sequential_order(tmp_path):
     assert d["n"] == 4 and d["low"] < d["mean"] < d["high"]
     assert compared["compared_is_cheaper"] == ("holding" if d["low"] > 0 else "contradicted" if d["high"] < 0
                                                else "unresolved")
+    delayed = cost["delayed"]  # V = 0 with eager delayed outer updates, on the sequential order
+    assert delayed["delayed_outer"] == "eager"
+    assert [p["layers"] for p in delayed["per_fragment"]] == [[], [0, 1], [2, 3]]
+    assert delayed["layer_sync_minus_v0_s"]["n"] == 4 and delayed["layer_sync_over_v0"] > 0
     text = "\n".join(_format_sync_cost(result["sync_cost"]))
     assert "sequential order; stash" in text and "interleaved order in the same repetitions" in text
+    assert "delayed_outer='eager'" in text
     assert np.isfinite(compared["streaming_cycle_over_vanilla"])
 
 
