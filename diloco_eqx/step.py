@@ -303,7 +303,7 @@ def exchange_fragment(plan: Plan, f: int, t_sync, deltas, finite, outer, outer_o
     trusted = jnp.asarray(True)
     if not checked:
         trusted = jnp.isfinite(pg_norm) & (count == plan.num_islands)
-        finite = islands.local(jnp.ones((islands.local_count,), bool))
+        finite = all_finite_islands(plan)
     # a loop of zero or one trip, not a select: the outer state is updated in place and the
     # mean read once (t_sync >= 0 always; it keeps XLA from folding a loop of known count)
     no_update = jnp.zeros((), jnp.float32)
@@ -351,9 +351,12 @@ def stash_fragment(plan: Plan, f: int, pending, inner, outer):
 
 
 def no_exchange(plan: Plan, outer, outer_opt, residual):
-    islands = plan.islands
-    return (outer, outer_opt, residual, no_report(plan), islands.local(jnp.ones((islands.local_count,), bool)),
-            jnp.asarray(True))
+    return outer, outer_opt, residual, no_report(plan), all_finite_islands(plan), jnp.asarray(True)
+
+
+def all_finite_islands(plan: Plan) -> Bool[Array, " k"]:
+    """Every island of this device finite: what a step without a sync found."""
+    return plan.islands.local(jnp.ones((plan.islands.local_count,), bool))
 
 
 def no_report(plan: Plan) -> SyncMetrics:
@@ -471,9 +474,9 @@ def _all_weights(plan: Plan, t):
 def delayed_sync_stage(plan: Plan, t, inner, island_outer):
     """The delayed form's sync of fragment f(t), if t is a sync step: (island outer, report,
     which islands the sync found finite)."""
-    s, p, islands = plan.schedule, plan.schedule.num_fragments, plan.islands
+    s, p = plan.schedule, plan.schedule.num_fragments
     branches = [lambda c, i, f=f: sync_fragment_delayed(plan, f, t, i, c[0]) for f in range(p)]
-    carry = (island_outer, no_report(plan), islands.local(jnp.ones((islands.local_count,), bool)))
+    carry = (island_outer, no_report(plan), all_finite_islands(plan))
     return when(s.is_sync(t), s.fragment_at(t), branches, carry, inner,
                 pin=lambda out: (plan.pin_islands(out[0]), *out[1:]))
 

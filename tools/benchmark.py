@@ -515,10 +515,7 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
         compared["delayed"] = _delayed_syncs(times, synced, model, delayed, vanilla_extra)
     return {**compared, "streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
-            "streaming_v0_per_fragment": [{"fragment": p["fragment"], "layers": p["layers"],
-                                           "param_fraction": p["param_fraction"], "reps": p["reps"],
-                                           "sync_apply_extra_s": p["stash_extra_s"], "over_vanilla": p["over_vanilla"]}
-                                          for p in v0_per_fragment],
+            "streaming_v0_per_fragment": _one_step_rows(v0_per_fragment),
             "streaming_v0_cycle_extra_s": v0_cycle, "streaming_v0_cycle_over_vanilla": v0_cycle / vanilla_extra,
             "cycle_over_vanilla_paired": {m: cycle_ratio(e, sync_reps, num_fragments) for m, e in extras.items()},
             "streaming_floor_bytes": stream_bytes, "streaming_floor_s": stream_floor,
@@ -681,12 +678,18 @@ def _delayed_syncs(times: dict, synced: list[int], model, cfg, vanilla_extra: fl
     layers = np.asarray(synced) != 0
     d = interval(list((extras["delayed"] - extras["streaming_v0"])[layers]))
     return {"delayed_outer": cfg.delayed_outer,
-            "per_fragment": [{"fragment": p["fragment"], "layers": p["layers"], "param_fraction": p["param_fraction"],
-                              "reps": p["reps"], "sync_apply_extra_s": p["stash_extra_s"],
-                              "over_vanilla": p["over_vanilla"]} for p in per],
+            "per_fragment": _one_step_rows(per),
             "cycle_extra_s": sum(p["stash_extra_s"] for p in per) / cfg.num_fragments,
             "layer_sync_minus_v0_s": {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "n": d["n"]},
             "layer_sync_over_v0": float(np.mean(extras["delayed"][layers]) / np.mean(extras["streaming_v0"][layers]))}
+
+
+def _one_step_rows(per: list[dict]) -> list[dict]:
+    """`_per_fragment`'s rows for a form that syncs and applies in one step (V = 0): that
+    step's extra as `sync_apply_extra_s`, and no exchange column."""
+    return [{"fragment": p["fragment"], "layers": p["layers"], "param_fraction": p["param_fraction"],
+             "reps": p["reps"], "sync_apply_extra_s": p["stash_extra_s"], "over_vanilla": p["over_vanilla"]}
+            for p in per]
 
 
 def _per_fragment(times: dict, synced: list[int], num_fragments: int, model, cfg, vanilla_extra: float,
