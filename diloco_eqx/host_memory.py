@@ -10,8 +10,10 @@ on every step (93,058 faults: a fifth of the step's CPU time is the kernel's).
 
 `keep_freed_memory()` has glibc serve every block from the main heap and keep what is freed
 there, so each call reuses the pages of the last (once the heap has grown to the step's
-needs, over its first few calls). The process then holds its peak host
-memory until it exits (what a training process does anyway). Elsewhere (macOS, musl) it
+needs, over its first few calls). XLA can free a call's block on its own thread after the
+result is ready, so a call started at once may allocate before the last one's block is back;
+the heap then holds a block more, and a call now and then faults one in. The process holds
+its peak host memory until it exits (what a training process does anyway). Elsewhere (macOS, musl) it
 changes nothing and says so.
 """
 
