@@ -646,8 +646,6 @@ def _compared_order(times: dict, synced: list[int], model, cfg, vanilla_extra: f
     costs less"."""
     import numpy as np
 
-    from experiments.stats import interval
-
     def extra(mode):
         return (np.asarray(times[(mode, "sync")]) + np.asarray(times[(mode, "after")])
                 - 2 * np.asarray(times[(mode, 5)]))
@@ -655,12 +653,19 @@ def _compared_order(times: dict, synced: list[int], model, cfg, vanilla_extra: f
     per = _per_fragment(times, synced, cfg.num_fragments, model, cfg, vanilla_extra, mode="compared")
     cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per) / cfg.num_fragments
     layers = np.asarray(synced) != 0
-    d = interval(list((extra("streaming") - extra("compared"))[layers]))
-    verdict = "holding" if d["lo"] > 0 else "contradicted" if d["hi"] < 0 else "unresolved"
+    d = _paired_difference((extra("streaming") - extra("compared"))[layers])
+    verdict = "holding" if d["low"] > 0 else "contradicted" if d["high"] < 0 else "unresolved"
     return {"fragment_order": cfg.fragment_order, "streaming_per_fragment": per, "streaming_cycle_extra_s": cycle,
-            "streaming_cycle_over_vanilla": cycle / vanilla_extra,
-            "layer_sync_difference_s": {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "n": d["n"]},
+            "streaming_cycle_over_vanilla": cycle / vanilla_extra, "layer_sync_difference_s": d,
             "compared_is_cheaper": verdict}
+
+
+def _paired_difference(values) -> dict:
+    """The mean of paired differences with its 95% interval, under the JSON's key names."""
+    from experiments.stats import interval
+
+    d = interval(list(values))
+    return {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "n": d["n"]}
 
 
 def _delayed_syncs(times: dict, synced: list[int], model, cfg, vanilla_extra: float) -> dict:
@@ -671,16 +676,13 @@ def _delayed_syncs(times: dict, synced: list[int], model, cfg, vanilla_extra: fl
     of means."""
     import numpy as np
 
-    from experiments.stats import interval
-
     per = _per_fragment(times, synced, cfg.num_fragments, model, cfg, vanilla_extra, mode="delayed")
     extras = {m: _sync_extras(times, m) for m in ("delayed", "streaming_v0")}
     layers = np.asarray(synced) != 0
-    d = interval(list((extras["delayed"] - extras["streaming_v0"])[layers]))
     return {"delayed_outer": cfg.delayed_outer,
             "per_fragment": _one_step_rows(per),
             "cycle_extra_s": sum(p["stash_extra_s"] for p in per) / cfg.num_fragments,
-            "layer_sync_minus_v0_s": {"mean": d["mean"], "low": d["lo"], "high": d["hi"], "n": d["n"]},
+            "layer_sync_minus_v0_s": _paired_difference((extras["delayed"] - extras["streaming_v0"])[layers]),
             "layer_sync_over_v0": float(np.mean(extras["delayed"][layers]) / np.mean(extras["streaming_v0"][layers]))}
 
 
