@@ -491,53 +491,76 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     floor_bytes, stream_bytes, references = _sync_cost_references(model, k, vanilla, num_fragments)
     times, synced, reps = _sync_cost_times(model, k, vanilla, streamings, references, reps, direct, delayed)
     del references
-    floor, stream_floor, by_hand, minimal = (float(np.median(times[r]))
-                                             for r in ("floor", "stream_floor", "by_hand", "minimal"))
-    diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
-
-    def ratio(a, b):  # the mean paired ratio of two timed lists with its 95% t-interval
-        ci = _paired_interval(a if isinstance(a, np.ndarray) else times[a], times[b])
-        return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"]}
-
     sync_reps = np.subtract(times[("diloco", sync_period)], times[("diloco", 5)])  # each repetition's
-    vanilla_extra = diff(("diloco", sync_period), ("diloco", 5))
+    out = _vanilla_sync_summary(times, sync_period, sync_reps, floor_bytes)
+    vanilla_extra = out["vanilla_sync_extra_s"]
+    out.update(_streaming_sync_summary(times, synced, model, streaming, direct, vanilla_extra, sync_reps))
+    out.update(streaming_floor_bytes=stream_bytes, streaming_floor_s=float(np.median(times["stream_floor"])),
+               streaming_floor_over_vanilla_floor=stream_bytes / (2 * floor_bytes), params=n,
+               fragment_order=streaming.fragment_order, reps=reps)
+    out["streaming_cycle_over_floor"] = out["streaming_cycle_extra_s"] / out["streaming_floor_s"]
+    if compare_order is not None:
+        out["compared_order"] = _compared_order(times, synced, model, streamings["compared"], vanilla_extra)
+    if delayed is not None:
+        out["delayed"] = _delayed_syncs(times, synced, model, delayed, vanilla_extra)
+    return out
+
+
+def _time_ratio(times: dict, a, b) -> dict:
+    """The mean paired ratio of two timed lists (a key of `times` or the list itself) with its
+    95% t-interval."""
+    import numpy as np
+
+    ci = _paired_interval(a if isinstance(a, np.ndarray) else times[a], times[b])
+    return {"mean": ci["mean"], "low": ci["lo"], "high": ci["hi"]}
+
+
+def _vanilla_sync_summary(times: dict, sync_period: int, sync_reps, floor_bytes: int) -> dict:
+    """`sync_cost`'s figures for the vanilla sync against its floor and the hand-written syncs,
+    and each mode's step without an event against plain."""
+    import numpy as np
+
+    floor, by_hand, minimal = (float(np.median(times[r])) for r in ("floor", "by_hand", "minimal"))
+    diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
+    extra = diff(("diloco", sync_period), ("diloco", 5))
+    return {"floor_s": floor, "floor_bytes": 2 * floor_bytes, "plain_s": float(np.median(times[("plain", None)])),
+            "vanilla_sync_extra_s": extra, "vanilla_extra_over_floor": extra / floor,
+            "handwritten_sync_s": by_hand, "handwritten_over_floor": by_hand / floor,
+            "vanilla_extra_over_handwritten": extra / by_hand,
+            "minimal_sync_s": minimal, "minimal_over_floor": minimal / floor,
+            "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
+            "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)),
+            **{f"{mode}_nonsync_ratio": _time_ratio(times, (mode, 5), ("plain", None))
+               for mode in ("diloco", "streaming")},
+            "paired": {"vanilla_extra_over_floor": _time_ratio(times, sync_reps, "floor"),
+                       "handwritten_over_floor": _time_ratio(times, "by_hand", "floor"),
+                       "minimal_over_floor": _time_ratio(times, "minimal", "floor"),
+                       "vanilla_extra_over_handwritten": _time_ratio(times, sync_reps, "by_hand")}}
+
+
+def _streaming_sync_summary(times: dict, synced: list[int], model, streaming, direct, vanilla_extra: float,
+                            sync_reps) -> dict:
+    """`sync_cost`'s figures for Streaming's syncs, deferred (`streaming`, V >= 1) and not
+    (`direct`, V = 0): per fragment, over a cycle of P, and against the vanilla sync."""
+    import numpy as np
+
+    p = streaming.num_fragments
+    diff = lambda a, b: float(np.median(np.subtract(times[a], times[b])))  # noqa: E731
     stash_extra = diff(("streaming", "sync"), ("streaming", 5))
     exchange_extra = diff(("streaming", "after"), ("streaming", 5))
-    streaming_extra = stash_extra + exchange_extra
-    per_fragment = _per_fragment(times, synced, num_fragments, model, streaming, vanilla_extra)
-    cycle = sum(p["stash_extra_s"] + p["exchange_apply_extra_s"] for p in per_fragment) / num_fragments
-    v0_per_fragment = _per_fragment(times, synced, num_fragments, model, direct, vanilla_extra, mode="streaming_v0")
-    v0_cycle = sum(p["stash_extra_s"] for p in v0_per_fragment) / num_fragments
-    extras = {"streaming": _sync_extras(times, "streaming"), "streaming_v0": _sync_extras(times, "streaming_v0")}
-    compared = {} if compare_order is None else {"compared_order": _compared_order(
-        times, synced, model, streamings["compared"], vanilla_extra)}
-    if delayed is not None:
-        compared["delayed"] = _delayed_syncs(times, synced, model, delayed, vanilla_extra)
-    return {**compared, "streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
+    per_fragment = _per_fragment(times, synced, p, model, streaming, vanilla_extra)
+    cycle = sum(f["stash_extra_s"] + f["exchange_apply_extra_s"] for f in per_fragment) / p
+    v0_per_fragment = _per_fragment(times, synced, p, model, direct, vanilla_extra, mode="streaming_v0")
+    v0_cycle = sum(f["stash_extra_s"] for f in v0_per_fragment) / p
+    extras = {mode: _sync_extras(times, mode) for mode in ("streaming", "streaming_v0")}
+    return {"streaming_per_fragment": per_fragment, "streaming_cycle_extra_s": cycle,
             "streaming_cycle_over_vanilla": cycle / vanilla_extra,
             "streaming_v0_per_fragment": _one_step_rows(v0_per_fragment),
             "streaming_v0_cycle_extra_s": v0_cycle, "streaming_v0_cycle_over_vanilla": v0_cycle / vanilla_extra,
-            "cycle_over_vanilla_paired": {m: cycle_ratio(e, sync_reps, num_fragments) for m, e in extras.items()},
-            "streaming_floor_bytes": stream_bytes, "streaming_floor_s": stream_floor,
-            "streaming_cycle_over_floor": cycle / stream_floor,
-            "streaming_floor_over_vanilla_floor": stream_bytes / (2 * floor_bytes),
-            "params": n, "floor_s": floor, "floor_bytes": 2 * floor_bytes,
+            "cycle_over_vanilla_paired": {m: cycle_ratio(e, sync_reps, p) for m, e in extras.items()},
             "stash_extra_s": stash_extra, "exchange_apply_extra_s": exchange_extra,
-            "plain_s": float(np.median(times[("plain", None)])),
-            "vanilla_sync_extra_s": vanilla_extra, "vanilla_extra_over_floor": vanilla_extra / floor,
-            "handwritten_sync_s": by_hand, "handwritten_over_floor": by_hand / floor,
-            "vanilla_extra_over_handwritten": vanilla_extra / by_hand,
-            "minimal_sync_s": minimal, "minimal_over_floor": minimal / floor,
-            "streaming_sync_extra_s": streaming_extra,
-            "streaming_over_vanilla": streaming_extra / vanilla_extra, "one_over_p": 1 / num_fragments,
-            "diloco_nonsync_extra_s": diff(("diloco", 5), ("plain", None)),
-            "streaming_nonsync_extra_s": diff(("streaming", 5), ("plain", None)),
-            **{f"{mode}_nonsync_ratio": ratio((mode, 5), ("plain", None)) for mode in ("diloco", "streaming")},
-            "paired": {"vanilla_extra_over_floor": ratio(sync_reps, "floor"),
-                       "handwritten_over_floor": ratio("by_hand", "floor"),
-                       "minimal_over_floor": ratio("minimal", "floor"),
-                       "vanilla_extra_over_handwritten": ratio(sync_reps, "by_hand")},
-            "fragment_order": streaming.fragment_order, "reps": reps}
+            "streaming_sync_extra_s": stash_extra + exchange_extra,
+            "streaming_over_vanilla": (stash_extra + exchange_extra) / vanilla_extra, "one_over_p": 1 / p}
 
 
 def _sync_cost_references(model, k: int, vanilla, num_fragments: int) -> tuple[int, int, dict]:
