@@ -91,7 +91,6 @@ def config_from(args: argparse.Namespace):
 def measure(args: argparse.Namespace) -> dict:
     """Compile the steps and read their collectives; returns the report as a dict."""
     import diloco_eqx as dl
-    from diloco_eqx import codecs as compression
     from diloco_eqx.analysis import comms
 
     k = args.num_replicas
@@ -107,12 +106,7 @@ def measure(args: argparse.Namespace) -> dict:
     )
     per_device = comms.fragment_payload_bytes(hlo, schedule.num_fragments, mesh)
     inside = comms.fragment_payload_bytes(hlo, schedule.num_fragments, mesh, across=False)
-    ring = [0.0] * schedule.num_fragments
-    control = [0] * schedule.num_fragments
-    for c in comms.collectives(hlo):
-        if c.fragment is not None and not c.rechecked and comms.crosses_islands(c, mesh):
-            ring[c.fragment] += c.wire_bytes
-            control[c.fragment] += c.control_bytes
+    ring, control = _cross_island_bytes(hlo, mesh, schedule.num_fragments)
     # an island's bytes: every one of its n·m devices sends its piece; a device's payload
     # carries all K/D islands of its slice
     islands_per_slice, island_devices = k // d, n * m
@@ -120,10 +114,7 @@ def measure(args: argparse.Namespace) -> dict:
     vanilla_cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=args.sync_period)
     vanilla = comms.fragment_payload_bytes(_step_hlo(vanilla_cfg, *shape, args.backend), 1, mesh)[0]
     ddp = comms.every_step_payload_bytes(_ddp_hlo(k, *shape), mesh)
-    b = compression.bits_per_value(cfg.compression) / 8
-    formula = [2 * p * b for p in frag_params]
-    if cfg.codec.index_bytes(cfg.topk_chunk):  # sparse: 2 × the payload (values, indices, scales)
-        formula = [comms.codec_sync_bytes(s, cfg.codec) for s in comms.fragment_tensor_sizes(_model(*shape[:4]), cfg)]
+    formula = _formula_bytes(cfg, frag_params, shape)
     num_params = sum(frag_params)
     return {
         "config": {"num_replicas": k, "devices": d, "data_parallel": n, "fsdp": m, "backend": args.backend,
@@ -157,6 +148,31 @@ def measure(args: argparse.Namespace) -> dict:
         "vanilla_collective_bytes": round(vanilla * per_island),
         "ddp_collective_bytes_per_step": round(ddp * per_island),
     }
+
+
+def _cross_island_bytes(hlo: str, mesh, num_fragments: int) -> tuple[list[float], list[int]]:
+    """Per fragment, a device's bytes on the wire (ring algorithm) and its control bytes, over
+    the collectives of its sync that cross islands (a re-check's collectives left out)."""
+    from diloco_eqx.analysis import comms
+
+    ring, control = [0.0] * num_fragments, [0] * num_fragments
+    for c in comms.collectives(hlo):
+        if c.fragment is not None and not c.rechecked and comms.crosses_islands(c, mesh):
+            ring[c.fragment] += c.wire_bytes
+            control[c.fragment] += c.control_bytes
+    return ring, control
+
+
+def _formula_bytes(cfg, frag_params: list[int], shape: tuple) -> list[float]:
+    """Each fragment's bytes by the formula: 2 × its values at the codec's bits per value, or,
+    for a sparse codec, 2 × its payload (values, indices, scales) tensor by tensor."""
+    from diloco_eqx import codecs as compression
+    from diloco_eqx.analysis import comms
+
+    if cfg.codec.index_bytes(cfg.topk_chunk):
+        return [comms.codec_sync_bytes(s, cfg.codec) for s in comms.fragment_tensor_sizes(_model(*shape[:4]), cfg)]
+    b = compression.bits_per_value(cfg.compression) / 8
+    return [2 * p * b for p in frag_params]
 
 
 def _mesh(devices, data, fsdp):
