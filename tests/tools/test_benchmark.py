@@ -133,6 +133,24 @@ def test_committed_gpu_h200_json():
     assert after["high"] < before["low"], (before, after)
 
 
+@pytest.mark.slow
+def test_the_prepared_gpu_sync_sizes_script_runs_on_the_cpu(tmp_path):
+    """benchmarks/gpu_h200_sync_sizes.sh (target 2 at the sizes it names) with the 1M model
+    and 2 repetitions: one JSON per size, in float32, whose floor reads and writes the K + 2
+    float32 buffers of K = 2 islands, the outer model and its trace."""
+    env = {**os.environ, "SIZES": "1M", "REPS": "2", "XLA_FLAGS": "",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the script's `python`
+    done = subprocess.run(["bash", "benchmarks/gpu_h200_sync_sizes.sh", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "1M ended at" in done.stdout, done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu_h200_sync_1M.json").read_text())
+    assert result["dtype"] == "float32" and set(result["sync_cost"]) == {"1M"}
+    c = result["sync_cost"]["1M"]
+    assert c["floor_bytes"] == 2 * (2 + 2) * 4 * c["params"]
+    ratio = c["paired"]["vanilla_extra_over_floor"]
+    assert ratio["low"] <= ratio["mean"] <= ratio["high"]
+
+
 def check_nonsync_json(result: dict) -> None:
     """What a `--nonsync` JSON must hold: per size, DiLoCo's and Streaming's full-batch steps
     without an event over plain's, as paired ratios with their intervals; and where it has
