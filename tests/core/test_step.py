@@ -82,10 +82,9 @@ def test_fragment_of_several_blocks_matches_reference(v, alpha):
 @pytest.mark.parametrize("v", [0, 1])
 def test_strided_fragments_need_no_more_temporaries_than_contiguous(v):
     """A sync of layers that are not consecutive is taken block by block: the compiled step
-    needs no more temporary memory than the same step with consecutive layers (at first a
-    strided fragment's mean, outer step and apply each copied the fragment out first: 1.7x
-    the temporaries of a contiguous one at V = 0). The inner step does nothing, so that the
-    sync's buffers are all the temporaries there are."""
+    needs no more temporary memory than the same step with consecutive layers (no copy of the
+    fragment for its mean, outer step or apply). The inner step does nothing, so that the sync's
+    buffers are all the temporaries there are."""
     inner = optax.set_to_zero()
 
     def temps(order):
@@ -112,11 +111,10 @@ EVENT_MODES = {
 @pytest.mark.parametrize("mode", list(EVENT_MODES))
 def test_events_copy_no_island_layer_stack(mode):
     """A sync and an apply update fragments in place: the compiled events copy no array as
-    large as one stacked leaf of the islands. With delayed outer updates the outer write read
-    the in-flight slot and the slot's write the outer copies (through the mean); until both
-    read buffers written out first, XLA found no order for the two writes and copied every
-    stacked leaf of both trees twice on each sync (10M, a layer fragment's sync: 30-44 ms,
-    then 13-22). The inner step does nothing, so the events' buffers are the large ones."""
+    large as one stacked leaf of the islands. With delayed outer updates the write of the outer
+    copies and the write of the in-flight slot each read the other's values from a buffer written
+    out first, so XLA finds an order for both writes in place. The inner step does nothing, so
+    the events' buffers are the large ones."""
     k, layers, width = 2, 8, 4096
     cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=6, **EVENT_MODES[mode])
     inner = optax.set_to_zero()
@@ -364,10 +362,7 @@ def test_an_event_tests_one_predicate_whatever_p(v, after_inner, want):
     (the sync with its checked second pass and the apply at V = 0; at V = 1 the stash and
     the apply, and the exchange with its checked second pass when it waits for the inner
     step), so 1 loop; a free exchange comes before with its second pass, so 3, for P = 2
-    and 5. One loop per fragment (0e13d2e) gave 3·P + 1 and 4·P + 1, one guard per event
-    with the reset beside the apply (e3d619f) 4 and 5, one guard per event with the reset
-    nested (ef3f368) 3 and 4, one guard after the inner step (82be423) 1 and 3 (waiting or
-    free)."""
+    and 5 alike (a loop per fragment would make the count grow with P)."""
     model, inner = make_toy(4, 8), optax.adamw(1e-3)
     loops = {}
     for p in (2, 5):
@@ -381,7 +376,7 @@ def test_an_apply_reads_only_its_fragment_of_the_outer_model():
     """The apply's loop body reads the outer fragment through a trip-dependent zero
     (`when(zero=True)`), so no select copies the whole outer layer stack on an apply: the
     only whole-stack selects left in the apply are inside the reset's own event (run only
-    when an island is reset). Before, every fragment's body selected the whole stack."""
+    when an island is reset)."""
     model, inner = make_toy(4, 8), optax.adamw(1e-3)
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=9, streaming=True, num_fragments=3, overlap_steps=1)
     text = dl.make_train_step(cfg, toy_loss, inner).lower(dl.init_state(model, inner, cfg),
