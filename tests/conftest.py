@@ -2,13 +2,13 @@
 mode, a compilation cache shared by every test process, implicit rank promotion raises.
 
 The tests are dominated by compiling small programs, not by running them, so they ask XLA's
-CPU backend for no LLVM optimization (`--xla_backend_optimization_level=0`): compiles take
-about 2.5x less time; XLA's HLO passes (what the HLO tests read) run as usual. On jaxlib 0.10
-they also use XLA:CPU's older kernel emitter, which compiles 2-4x faster. On x86-64 they
+CPU backend for no LLVM optimization (`--xla_backend_optimization_level=0`), which compiles
+several times faster; XLA's HLO passes (what the HLO tests read) run as usual. On jaxlib 0.10
+they also use XLA:CPU's older kernel emitter, which compiles faster still. On x86-64 they
 also cap its instruction set at AVX2: with AVX-512, XLA:CPU rounds float16 arithmetic
-differently (p − 0.05·g on float16 arrays differs from rounding each operation, as NumPy and
-the reference do, in 6.8% of values; under AVX2 in none), so the float16 cases would agree
-with the reference only on some machines. Subprocesses started by tests inherit these
+differently (p − 0.05·g on float16 arrays differs in some values from rounding each
+operation, as NumPy and the reference do; under AVX2 in none), so the float16 cases would
+agree with the reference only on some machines. Subprocesses started by tests inherit these
 settings (`tests.helpers.subprocess_env`).
 """
 
@@ -25,8 +25,8 @@ def _jaxlib_before(*version: int) -> bool:
 
 QUICK_COMPILE = " ".join(flag for flag in [
     "--xla_backend_optimization_level=0",
-    # jaxlib 0.10's MLIR fusion emitters compile a toy step 2-4x slower than its older
-    # emitter (1.2 s vs 4.5 s); jaxlib 0.11 dropped the flag
+    # jaxlib 0.10's MLIR fusion emitters compile a toy step several times slower than its
+    # older emitter; jaxlib 0.11 has no such flag
     "--xla_cpu_use_fusion_emitters=false" if _jaxlib_before(0, 11) else "",
     "--xla_cpu_max_isa=AVX2" if platform.machine() in ("x86_64", "AMD64") else "",
 ] if flag)
