@@ -37,7 +37,7 @@ def faults_per_call(setting: str) -> tuple[float, float, list[int]]:
     """(median page faults of a call, pages of the temporaries block, each call's faults) in a
     fresh process. Each call starts after a pause: started at once, it can allocate its block
     before XLA has freed the last one's, and the heap grows by a block (more often when other
-    processes share the cores: that made this test fail under CI's parallel run)."""
+    processes share the cores)."""
     out = subprocess.run([sys.executable, "-c", SCRIPT, setting], env=host_memory.without_malloc_settings(subprocess_env()),
                          check=True,
                          capture_output=True, text=True, timeout=300)
