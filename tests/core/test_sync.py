@@ -106,7 +106,9 @@ def test_outer_float32_keeps_small_updates_that_bfloat16_loses():
 
 
 def test_adamw_in_bfloat16_with_compression_stays_finite():
-    """The case that used to raise `lax.select requires arguments to have the same dtypes`."""
+    """bfloat16 islands, AdamW and bf16 pseudo-gradients in every mode: the float32 outer side
+    meets the bfloat16 islands with matching dtypes, every loss and outer value stays finite, and
+    the islands stay bfloat16."""
     model = make_toy(N_LAYERS, WIDTH, dtype=jnp.bfloat16)
     inner = optax.adamw(0.01, weight_decay=1e-4)
     for mode in MODES.values():
