@@ -138,7 +138,7 @@ def test_refuses_to_overwrite_or_resume_with_other_settings(tmp_path, capsys, tw
     assert "already holds a run" in capsys.readouterr().err
     assert train.main(TINY + ["--steps", "4", "--lr", "0.1", "--out", str(out), "--resume"]) == 2
     assert "lr: 0.003 -> 0.1" in capsys.readouterr().err
-    # a run recorded before a setting existed ran with its default: resuming with it is fine
+    # a run.json without a setting stands for that setting's default: resuming with it is fine
     meta = json.loads((out / "run.json").read_text())
     for newer in ("outer_optimizer", "tokenizer", "model"):
         del meta["settings"][newer]
@@ -276,7 +276,7 @@ def test_usage_errors_are_one_line_and_a_hint(capsys):
     assert len(lines) == 2 and "invalid choice: 'async'" in lines[0] and "--help" in lines[1]
 
 
-@pytest.mark.slow  # three end-to-end runs (32 s): kept out of the default run's 10 minutes
+@pytest.mark.slow  # three end-to-end runs
 def test_backend_flag_and_switching_backend_on_resume(tmp_path):
     """--backend drjax trains like shard_map; a run checkpointed by one backend resumes on the
     other (the state serves both) with the same losses."""
