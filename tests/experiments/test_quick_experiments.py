@@ -1,4 +1,4 @@
-"""Each experiment script end to end in its --quick mode (slow: about 12 minutes together)."""
+"""Each experiment script end to end in its --quick mode (the slow set)."""
 
 import json
 
