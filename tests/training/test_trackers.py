@@ -110,8 +110,8 @@ def wandb_records(path: Path):
 
 def finished_records(path: Path, wait_s: float = 60.0) -> list:
     """The records of a session's .wandb file once its last is the exit record: W&B buffers
-    the file (flushing every 15 s and at the end), and a loaded CI machine once read a resumed
-    session's file without its rows; if the end never comes, the error names what was there."""
+    the file (flushing every 15 s and at the end), so a file read before its exit record may
+    lack rows; if the end never comes, the error names what was there."""
     deadline = time.monotonic() + wait_s
     while True:
         late = time.monotonic() > deadline
@@ -345,8 +345,9 @@ def test_missing_wandb_stops_before_anything_is_written(tmp_path, monkeypatch, c
 
 
 def test_a_resumed_wandb_session_starts_in_a_second_of_its_own(tmp_path):
-    """The flaky failure this prevents: a resumed session started within the second of the
-    previous one shares its directory name, and its rows were lost."""
+    """A resumed session waits until no directory of its run carries the current second: W&B
+    names a session's directory by that second, and a session sharing the previous one's
+    directory would lose its rows. Another run's directory does not make it wait."""
     import datetime
 
     now = f"{datetime.datetime.now():%Y%m%d_%H%M%S}"
