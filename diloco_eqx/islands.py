@@ -250,7 +250,7 @@ class DrjaxIslands(Islands):
 def _filtered(logger: logging.Logger, quiet: logging.Filter):
     logger.addFilter(quiet)
     try:
-        with warnings.catch_warnings():  # drjax's look for a mesh set the old way
+        with warnings.catch_warnings():  # drjax also looks for a mesh through jax's deprecated API
             warnings.filterwarnings("ignore", "jax.interpreters.pxla.thread_resources", DeprecationWarning)
             yield
     finally:

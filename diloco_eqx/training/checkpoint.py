@@ -231,7 +231,7 @@ def _first_line(e: BaseException) -> str:
 
 def _checked(out: tuple[eqx.Module, dict]) -> dict:
     """The extra of a restored checkpoint, once its arrays match the fingerprint saved with
-    them (checkpoints written before fingerprints existed have none to check)."""
+    them (a checkpoint saved without a fingerprint has none to check)."""
     state, extra = out
     saved = extra.pop("fingerprint", None)
     if saved is None:
