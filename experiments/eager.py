@@ -2,8 +2,8 @@
 round late or eagerly (each island's fresh pseudo-gradient in place of its stale share),
 against the blocking exchange; and Streaming DiLoCo with eager updates. 5 seeds.
 
-    python -m experiments.eager --out runs/eager                 # 40 runs of 600 steps + 10 of 1800, ~35 min
-    python -m experiments.eager --out runs/eager --quick         # 5 runs of 60 steps, ~1 min
+    python -m experiments.eager --out runs/eager                 # 40 runs of 600 steps + 10 of 1800
+    python -m experiments.eager --out runs/eager --quick         # 5 runs of 60 steps
     python -m experiments.eager --out runs/eager --parallel 2
 
 K = 2 islands, H = 30, Nesterov outer (η = 0.7, β = 0.9), the 2-layer × 64 byte-level

@@ -1,7 +1,7 @@
 """The DiLoCo–Data-Parallel gap against training budget and against model size, 5 seeds.
 
-    python -m experiments.gap_trends --out runs/gap_trends --parallel 2   # 90 runs, ~2 h on 2 cores
-    python -m experiments.gap_trends --out runs/gap_trends --quick        # 2 budgets, 2 sizes, 1 seed, ~3 min
+    python -m experiments.gap_trends --out runs/gap_trends --parallel 2   # 90 runs
+    python -m experiments.gap_trends --out runs/gap_trends --quick        # 2 budgets, 2 sizes, 1 seed
 
 Data-Parallel, DiLoCo H = 30 and Streaming DiLoCo H = 30, P = 3 (interleaved, V = 0, α = 0),
 K = 2 islands, outer Nesterov η = 0.5, β = 0.8, inner AdamW (lr 3·10⁻³, warmup 50, cosine to

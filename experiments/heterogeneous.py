@@ -2,7 +2,7 @@
 ⌊s_k·H⌋ of every H inner steps — averaged uniformly, weighted by the tokens each trained
 on, or with the two slow islands dropped; against four equal islands. 5 seeds.
 
-    python -m experiments.heterogeneous --out runs/heterogeneous              # 20 runs of 600 steps, ~8 min
+    python -m experiments.heterogeneous --out runs/heterogeneous              # 20 runs of 600 steps
     python -m experiments.heterogeneous --out runs/heterogeneous --quick      # 4 runs of 60 steps
     python -m experiments.heterogeneous --out runs/heterogeneous --parallel 2
 

@@ -2,7 +2,7 @@
 (η = 1, β = 0: the outer model becomes the islands' mean) and Data-Parallel, 3 seeds each.
 
     python -m experiments.outer_optimizers --out runs/outer_optimizers             # 129 runs
-    python -m experiments.outer_optimizers --out runs/outer_optimizers --quick     # 7 runs of 30 steps, ~1 min
+    python -m experiments.outer_optimizers --out runs/outer_optimizers --quick     # 7 runs of 30 steps
     python -m experiments.outer_optimizers --out runs/outer_optimizers --parallel 2
 
 Vanilla DiLoCo, H = 30, the 2-layer × 64 byte-level transformer on the stdlib corpus, GBS 8 ×

@@ -1,7 +1,7 @@
 """The Streaming DiLoCo paper's smaller claims, re-measured with 10 paired seeds.
 
-    python -m experiments.paper_claims --out runs/paper_claims --parallel 2   # 80 runs of 1620 steps, ~55 min
-    python -m experiments.paper_claims --out runs/paper_claims --quick        # 1 seed of 60 steps, ~1 min
+    python -m experiments.paper_claims --out runs/paper_claims --parallel 2   # 80 runs of 1620 steps
+    python -m experiments.paper_claims --out runs/paper_claims --quick        # 1 seed of 60 steps
 
 Streaming DiLoCo, K = 2 islands, H = 30, P = 3, outer Nesterov η = 0.5, β = 0.8, on the
 42k-parameter byte-level transformer (4 layers × 24: fragments 1 and 2 hold layers {0, 2}

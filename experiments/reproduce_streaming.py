@@ -1,7 +1,7 @@
 """Small-scale reproduction of the Streaming DiLoCo paper's main comparisons on the stdlib corpus.
 
-    python -m experiments.reproduce_streaming --out runs/reproduce            # 8 runs, ~25 min on 2 cores
-    python -m experiments.reproduce_streaming --out runs/reproduce --quick    # 8 tiny runs, ~2 min
+    python -m experiments.reproduce_streaming --out runs/reproduce            # 8 runs
+    python -m experiments.reproduce_streaming --out runs/reproduce --quick    # 8 tiny runs
 
 Every run has the same model, data order, tokens per step and inner AdamW; K = 2 islands,
 outer Nesterov η = 0.5, β = 0.8. The runs:

@@ -1,7 +1,7 @@
 """SparseLoCo (Sarfi et al. 2025) against DiLoCo in float32 and with fp4: held-out loss
 against the bytes each island sends. 5 seeds.
 
-    python -m experiments.sparseloco --out runs/sparseloco                # 25 runs of 600 steps, ~12 min
+    python -m experiments.sparseloco --out runs/sparseloco                # 25 runs of 600 steps
     python -m experiments.sparseloco --out runs/sparseloco --quick        # 5 runs of 60 steps
     python -m experiments.sparseloco --out runs/sparseloco --parallel 2
 

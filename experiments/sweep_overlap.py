@@ -1,7 +1,7 @@
 """The overlap ablation: Streaming DiLoCo with V in {0,1,2,5,10} x α in {0,0.5,1}, 2 seeds each.
 
-    python -m experiments.sweep_overlap --out runs/overlap            # 30 runs, ~15 min on 2 cores
-    python -m experiments.sweep_overlap --out runs/overlap --quick    # 4 runs, ~1 min
+    python -m experiments.sweep_overlap --out runs/overlap            # 30 runs
+    python -m experiments.sweep_overlap --out runs/overlap --quick    # 4 runs
     python -m experiments.sweep_overlap --out runs/overlap --parallel 2
 
 Plot (OUT/overlap.png): final held-out loss against V, one line per α, as the change in %
