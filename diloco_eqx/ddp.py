@@ -23,7 +23,7 @@ from diloco_eqx import mesh as mesh_lib
 from diloco_eqx.islands import ShardMapIslands
 from diloco_eqx.metrics import StepMetrics
 from diloco_eqx.state import owned_copy
-from diloco_eqx.step import LossFn
+from diloco_eqx.plan import LossFn
 from diloco_eqx.sync import tree_norm
 
 
@@ -40,18 +40,6 @@ def _layout(state: DDPState, mesh: Mesh | None, param_specs) -> DDPState | None:
         return None
     return mesh_lib.shardings(eqx.filter(state, eqx.is_array), mesh, False,
                               param_specs or mesh_lib.default_param_specs(mesh))
-
-
-def init_ddp_state(
-    model: eqx.Module, optimizer: optax.GradientTransformation, mesh: Mesh | None = None,
-    param_specs: mesh_lib.ParamSpecs | None = None,
-) -> DDPState:
-    model = owned_copy(model)
-    state = DDPState(model, optimizer.init(eqx.filter(model, eqx.is_inexact_array)), jnp.zeros((), jnp.int32))
-    if mesh is None:
-        return state
-    arrays, static = eqx.partition(state, eqx.is_array)
-    return eqx.combine(mesh_lib.place_sharded(arrays, _layout(state, mesh, param_specs)), static)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,35 +79,45 @@ def run_ddp_step(plan: DDPPlan, batches: PyTree, state: DDPState):
     return new, {"step": t, "loss_island": losses, "grad_norm": grad_norm}
 
 
-class DDPStep:
-    """`(state, batch) -> (state, metrics)`: island k's gradient on rows
-    [k·GBS/K, (k+1)·GBS/K), averaged over the K islands, then one optimizer update."""
+class DDP:
+    """The Data-Parallel baseline with DiLoCo's interface: island k's gradient on rows
+    [k·GBS/K, (k+1)·GBS/K), averaged over the K islands, then one update of one model.
 
-    def __init__(self, plan: DDPPlan):
-        self.plan = plan
-        self._step = compiler.StepFunction(partial(run_ddp_step, plan), donate=True, mesh=plan.mesh)
+        ddp = DDP(2, loss_fn, optax.adamw(1e-3))
+        state = ddp.init(model)
+        state, metrics = ddp.step(state, batch)
+    """
+
+    def __init__(self, num_replicas: int, loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                 mesh: Mesh | None = None, param_specs: mesh_lib.ParamSpecs | None = None):
+        mesh_lib.check_divides(num_replicas, mesh)
+        self.plan = DDPPlan(num_replicas, loss_fn, optimizer, mesh, param_specs)
+        self._step = compiler.StepFunction(partial(run_ddp_step, self.plan), donate=True)
+
+    def init(self, model: eqx.Module, key=None) -> DDPState:
+        """The state: `model` (a copy of its arrays) and its optimizer state; `key` is not read."""
+        p = self.plan
+        model = owned_copy(model)
+        state = DDPState(model, p.optimizer.init(eqx.filter(model, eqx.is_inexact_array)), jnp.zeros((), jnp.int32))
+        if p.mesh is None:
+            return state
+        arrays, static = eqx.partition(state, eqx.is_array)
+        return eqx.combine(mesh_lib.place_sharded(arrays, _layout(state, p.mesh, p.param_specs)), static)
 
     def place_batch(self, batch: PyTree) -> PyTree:
         return mesh_lib.place_island_batches(batch, self.plan.num_replicas, self.plan.mesh)
 
-    def __call__(self, state: DDPState, batch: PyTree) -> tuple[DDPState, StepMetrics]:
+    def step(self, state: DDPState, batch: PyTree) -> tuple[DDPState, StepMetrics]:
         return self.step_placed(state, self.place_batch(batch))
 
     def step_placed(self, state: DDPState, batches: PyTree) -> tuple[DDPState, StepMetrics]:
         state, metrics = self._step(batches, state)
         return state, StepMetrics(metrics)
 
+    def outer_model(self, state: DDPState) -> eqx.Module:
+        """The trained model (DDP has one)."""
+        return state.model
+
     def lower(self, state: DDPState, batch: PyTree) -> jax.stages.Lowered:
         """The step lowered for these arguments: `.compile().as_text()` is its HLO."""
         return self._step.lower(self.place_batch(batch), state)
-
-
-def make_ddp_step(
-    num_replicas: int,
-    loss_fn: LossFn,
-    optimizer: optax.GradientTransformation,
-    mesh: Mesh | None = None,
-    param_specs: mesh_lib.ParamSpecs | None = None,
-) -> DDPStep:
-    mesh_lib.check_divides(num_replicas, mesh)
-    return DDPStep(DDPPlan(num_replicas, loss_fn, optimizer, mesh, param_specs))

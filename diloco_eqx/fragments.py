@@ -28,7 +28,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-import optax
 
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.orders import layer_groups
@@ -212,24 +211,6 @@ class Fragmentation:
             return fn(x, *ps).astype(x.dtype)
 
         return jax.tree.map(one, tree, self.layer_mask, *parts, is_leaf=_is_none)
-
-    def take_state(self, optimizer: optax.GradientTransformation, state: PyTree, f: int):
-        """Fragment f of every params-shaped part of an optax state (e.g. a momentum trace)."""
-        return optax.tree_utils.tree_map_params(
-            optimizer, self._take_leaf(f), state, self.layer_mask, is_leaf=_is_none
-        )
-
-    def put_state(self, optimizer: optax.GradientTransformation, state: PyTree, f: int, part):
-        """`state` with fragment f replaced by `part` (shaped like `take_state`'s result)."""
-        state_mask = optax.tree_utils.tree_map_params(
-            optimizer,
-            lambda x, m: m,
-            state,
-            self.layer_mask,
-            transform_non_params=lambda x: jax.tree.map(lambda _: False, x),
-            is_leaf=_is_none,
-        )
-        return jax.tree.map(self._put_leaf(f), state, part, state_mask, is_leaf=_is_none)
 
     def param_counts(self, params: PyTree) -> list[int]:
         """Number of scalars in each fragment of `params` (no K axis)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 Step = int | Int[Array, ""]
@@ -97,13 +96,6 @@ class Schedule:
     def next_sync(self, t: int) -> int:
         """The first step > t at which a sync fires."""
         return (t // self.steps_between_syncs + 1) * self.steps_between_syncs
-
-    # the traced spellings of earlier versions (the formulas above already take arrays)
-    is_sync_traced = is_sync
-    is_apply_traced = is_apply
-
-    def fragment_at_traced(self, t: Int[Array, ""]) -> Int[Array, ""]:
-        return jnp.asarray(self.fragment_at(t))
 
     def table(self, steps: int) -> list[tuple[int, int | None, int | None]]:
         """(t, sync fragment, apply fragment) for t = 1..steps."""

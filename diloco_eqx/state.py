@@ -18,8 +18,7 @@ from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import stash as stash_lib
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.delayed import IslandOuter
-from diloco_eqx.fragments import Fragmentation, default_layers
-from diloco_eqx.sync import outer_optimizer as default_outer_optimizer
+from diloco_eqx.fragments import Fragmentation
 from diloco_eqx.sync import to_outer_dtype, wide
 
 
@@ -37,7 +36,8 @@ class DiLoCoState(eqx.Module):
     inner_opt_state: PyTree
     outer: eqx.Module
     """The outer model as of the last completed exchange. With V >= 1 a sync at the last step
-    may still be in flight; `train_step.outer_model(state)` folds it in."""
+    may still be in flight: read the outer model with `DiLoCo.outer_model(state)`, which
+    folds it in."""
     outer_opt_state: tuple[PyTree, ...]
     step: Int[Array, ""]
     residual: PyTree = None
@@ -50,26 +50,11 @@ class DiLoCoState(eqx.Module):
     island_outer: IslandOuter | None = None
     """With delayed_outer naive or eager: each island's own outer copy, outer optimizer
     states and in-flight exchanges (see `delayed.py`); `outer` then stays the initial model
-    and `outer_opt_state` is empty, and `train_step.outer_model(state)` is the islands' mean."""
+    and `outer_opt_state` is empty, and `DiLoCo.outer_model(state)` is the islands' mean."""
 
     ON_ISLANDS: ClassVar[frozenset[str]] = frozenset({"inner_model", "inner_opt_state", "residual", "pending",
                                                       "island_outer"})
     """Fields with a leading island axis (sharded over "diloco"); the others are replicated."""
-
-    @property
-    def outer_model(self) -> eqx.Module:
-        """The outer model, where it cannot be stale (no exchange can be in flight)."""
-        if self.island_outer is not None:
-            raise RuntimeError(
-                "state.outer_model: with delayed_outer naive or eager each island keeps its own outer "
-                "copy and state.outer is not updated; use train_step.outer_model(state) (their mean)")
-        if self.pending is not None:
-            raise RuntimeError(
-                "state.outer_model: with overlap_steps (V) >= 1 the exchange of a sync at the last "
-                "step runs in the next step, so the stored outer model may miss it; use "
-                "train_step.outer_model(state), which folds it in (state.outer is the stored value)"
-            )
-        return self.outer
 
     def island(self, k: int) -> eqx.Module:
         """Island k's model (no K axis)."""
@@ -96,29 +81,27 @@ def owned_copy(tree):
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
 
 
-def init_state(
+def new_state(
     model: eqx.Module,
-    inner_optimizer: optax.GradientTransformation,
     cfg: DiLoCoConfig,
-    mesh: Mesh | None = None,
-    layers: Callable[[Any], Any] = default_layers,
-    *,
-    outer_optimizer: optax.GradientTransformation | None = None,
-    param_specs: mesh_lib.ParamSpecs | None = None,
+    inner_optimizer: optax.GradientTransformation,
+    outer_optimizer: optax.GradientTransformation,
+    mesh: Mesh | None,
+    layers: Callable[[Any], Any],
+    param_specs: mesh_lib.ParamSpecs | None,
 ) -> DiLoCoState:
-    """Every island starts from `model`; the outer model is `model`; outer state from `init`.
+    """Every island starts from `model`; the outer model is `model`; each fragment's outer
+    optimizer state from `outer_optimizer.init` on that fragment (what `DiLoCo.init` calls).
 
     Islands keep `model`'s dtypes; the outer model and its optimizer state are stored in
-    float32 (`cfg.outer_dtype="param"`: in the parameters' own dtypes). `outer_optimizer`
-    (default: Nesterov SGD from `outer_lr`, `outer_momentum`) must be the one given to
-    `make_train_step`. The state owns copies of `model`'s arrays, so donating it to the
-    step leaves `model` intact. `layers` points at the stacked layer module (streaming only;
-    checked against the fragment knobs here). `param_specs` replaces the default layout of
-    leaves inside an island (see `state_shardings`); give `make_train_step` the same.
+    float32 (`cfg.outer_dtype="param"`: in the parameters' own dtypes). The state owns
+    copies of `model`'s arrays, so donating it to the step leaves `model` intact. `layers`
+    points at the stacked layer module (streaming only; checked against the fragment knobs
+    here). `param_specs` replaces the default layout of leaves inside an island (see
+    `state_shardings`).
     """
-    mesh_lib.check_divides(cfg.num_replicas, mesh)
     frags = Fragmentation.from_model(model, cfg, layers)
-    tx = default_outer_optimizer(cfg) if outer_optimizer is None else outer_optimizer
+    tx = outer_optimizer
     params = eqx.filter(model, eqx.is_inexact_array)
     k = cfg.num_replicas
 

@@ -97,15 +97,6 @@ def apply_update(outer: Array, update: Array) -> Array:
     return (outer + update).astype(outer.dtype)
 
 
-def outer_step(
-    optimizer: optax.GradientTransformation, delta: PyTree, opt_state: PyTree, outer: PyTree
-) -> tuple[PyTree, PyTree, PyTree]:
-    """One outer step on the mean pseudo-gradient: (new outer, new state, update). The new
-    outer model and state keep the dtypes they are stored in."""
-    updates, new_state = outer_updates(optimizer, delta, opt_state, outer)
-    return jax.tree.map(apply_update, outer, updates), new_state, updates
-
-
 def blend(inner: PyTree, outer: PyTree, alpha: float) -> PyTree:
     """α·inner + (1−α)·outer in at least float32, cast to each inner leaf's dtype;
     α = 0 is plain replacement and α = 1 keeps `inner`, with no arithmetic."""

@@ -21,7 +21,8 @@ from diloco_eqx import compiler
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx.config import DiLoCoConfig
 from diloco_eqx.fragments import default_layers
-from diloco_eqx.step import LossFn, Plan, inner_step
+from diloco_eqx.plan import LossFn, Plan
+from diloco_eqx.steps import inner_step
 
 
 class PlainStep:
@@ -30,7 +31,7 @@ class PlainStep:
 
     def __init__(self, plan: Plan, static: eqx.Module, layout: PyTree):
         self.plan, self.static, self.layout = plan, static, layout
-        self._step = compiler.StepFunction(self._run, donate=True, mesh=plan.mesh)
+        self._step = compiler.StepFunction(self._run, donate=True)
 
     def _run(self, batches, state):
         islands = mesh_lib.ISLANDS

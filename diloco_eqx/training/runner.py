@@ -24,10 +24,8 @@ import jax
 import optax
 
 import diloco_eqx as dl
-from diloco_eqx import host_memory
 from diloco_eqx.analysis import comms
-from diloco_eqx.ddp import init_ddp_state, make_ddp_step
-from diloco_eqx.training import data, multiprocess, sources, token_files
+from diloco_eqx.training import data, host_memory, multiprocess, sources, token_files
 from diloco_eqx.training import tokenizer as tok_lib
 from diloco_eqx.training.checkpoint import Checkpointer, key_from_json, key_to_json, last_complete_step
 from diloco_eqx.training.config import RESUMABLE, RunConfig
@@ -42,8 +40,8 @@ from diloco_eqx.training.loop import (
 )
 from diloco_eqx.training.plots import plot_runs
 from diloco_eqx.training.trackers import check_trackers, open_trackers
-from models.io import build_model
-from models.transformer import count_params
+from diloco_eqx.models.io import build_model
+from diloco_eqx.models.transformer import count_params
 
 
 @dataclasses.dataclass
@@ -60,7 +58,8 @@ class Job:
     model: eqx.Module
     loss_fn: Callable
     state: Any
-    step_fn: Callable
+    algo: dl.DiLoCo | dl.DDP
+    """The algorithm (its `step`, `step_placed`, `outer_model`)."""
     fragment_params: list[int]
     lr: optax.Schedule
 
@@ -153,16 +152,15 @@ def build(cfg: RunConfig) -> Job:
     model, loss_fn = build_model(cfg.model_factory, model_config, jax.random.key(cfg.seed))
     inner, lr = inner_optimizer(cfg)
     if cfg.mode == "diloco":
-        state = dl.init_state(model, inner, cfg.diloco, mesh)  # checks layers vs fragments
-        step_fn = dl.make_train_step(cfg.diloco, loss_fn, inner, mesh, backend=cfg.backend)
+        algo = dl.DiLoCo(cfg.diloco, loss_fn, inner, mesh=mesh, backend=cfg.backend)
         frags = dl.Fragmentation.from_model(model, cfg.diloco)
         fragment_params = frags.param_counts(eqx.filter(model, eqx.is_inexact_array))
     else:
-        state = init_ddp_state(model, inner, mesh)
-        step_fn = make_ddp_step(cfg.diloco.num_replicas, loss_fn, inner, mesh)
+        algo = dl.DDP(cfg.diloco.num_replicas, loss_fn, inner, mesh=mesh)
         fragment_params = [count_params(model)]
+    state = algo.init(model)  # DiLoCo checks the layer stack against the fragment knobs here
     return Job(cfg, mesh, corpus, train_ids, eval_ids, held_out, train_ds, model, loss_fn, state,
-               step_fn, fragment_params, lr)
+               algo, fragment_params, lr)
 
 
 def check_out(cfg: RunConfig, out: Path) -> None:
@@ -221,7 +219,7 @@ def evaluator(job: Job) -> Callable[[Any], dict[str, float]]:
     per_token = tok_lib.bytes_per_token(job.corpus.tokenizer, job.held_out)
 
     def evaluate(state) -> dict[str, float]:
-        model = state.model if job.cfg.mode == "ddp" else job.step_fn.outer_model(state)
+        model = job.algo.outer_model(state)
         losses = {"eval_loss": mean_loss(eval_loss, model, job.held_out)}
         if per_token is not None:  # the ids of a token file of unknown tokenizer have no bytes
             losses["eval_bits_per_byte"] = tok_lib.bits_per_byte(losses["eval_loss"], per_token)
@@ -292,11 +290,11 @@ def _checked_run(cfg: RunConfig, out: Path, argv: list[str] | None) -> dict[str,
 def _train(job: Job, out: Path, checkpointer: Checkpointer, meta: dict[str, Any]) -> dict[str, Any]:
     cfg, primary = job.cfg, jax.process_index() == 0
     batches = iter(job.train_ds.to_iter_dataset())
-    step_fn = job.step_fn
+    step_fn = job.algo.step
     if cfg.distributed:  # batches arrive island-major and placed
         batches = multiprocess.GlobalBatches(batches, job.mesh, cfg.diloco.num_replicas,
                                              (cfg.data.global_batch, cfg.data.seq_len + 1))
-        step_fn = job.step_fn.step_placed
+        step_fn = job.algo.step_placed
     state, start, elapsed, key = _restore(job, out, checkpointer, batches)
     if primary:
         write_json(out / "run.json", meta)

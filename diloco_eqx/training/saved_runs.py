@@ -18,7 +18,7 @@ from diloco_eqx.training.checkpoint import Checkpointer
 from diloco_eqx.training.cli import build_parser, parse_run_config
 from diloco_eqx.training.config import RunConfig
 from diloco_eqx.training.loop import read_jsonl
-from models.transformer import TransformerConfig
+from diloco_eqx.models.transformer import TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def load_outer_model(run_dir: str | Path, step: int | None = None) -> SavedModel
         step, state, _ = checkpointer.restore(job.state, step)
     finally:
         checkpointer.close()
-    model = state.model if cfg.mode == "ddp" else job.step_fn.outer_model(state)
+    model = job.algo.outer_model(state)
     return SavedModel(cfg, step, model, job)
 
 
