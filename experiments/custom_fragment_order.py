@@ -1,7 +1,7 @@
 """Add a fragment order from outside the package, register it, and race it against the built-ins.
 
-    python -m experiments.custom_fragment_order --out runs/orders            # 5 runs, ~10 min on 2 cores
-    python -m experiments.custom_fragment_order --out runs/orders --quick    # ~1 min
+    python -m experiments.custom_fragment_order --out runs/orders            # 5 runs
+    python -m experiments.custom_fragment_order --out runs/orders --quick
 
 An order is a plain function `(num_layers, num_fragments) -> P-1 groups of layer indices`
 (group i-1 is fragment i; fragment 0 always holds the embeddings and head).
