@@ -57,11 +57,11 @@ def getkey():
 def pytest_addoption(parser):
     parser.addoption(
         "--backend", default="shard_map", choices=("shard_map", "drjax"),
-        help="the island backend make_train_step uses where a test names none: `pytest "
+        help="the island backend DiLoCo uses where a test names none: `pytest "
              "--backend drjax` runs the whole suite (the reference grid included) on drjax")
 
 
 def pytest_configure(config):
-    from diloco_eqx import step
+    from diloco_eqx.diloco import DiLoCo
 
-    step.make_train_step.__kwdefaults__["backend"] = config.getoption("--backend")
+    DiLoCo.__init__.__kwdefaults__["backend"] = config.getoption("--backend")

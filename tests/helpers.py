@@ -8,11 +8,12 @@ import pytest
 
 import diloco_eqx as dl
 from diloco_eqx.analysis.profiling import count_compilations
+from diloco_eqx.diloco import with_plan
 from tests.conftest import QUICK_COMPILE
 from tests.reference import make_toy, np_run, toy_loss, toy_to_numpy
 
 __all__ = ["GBS", "N_LAYERS", "WIDTH", "alternating", "batches", "count_compilations", "drops_of", "fast_and_slow",
-           "pairwise", "reference_run", "run_counting_compilations", "run_jax", "subprocess_env"]
+           "make_diloco", "pairwise", "reference_run", "run_counting_compilations", "run_jax", "subprocess_env"]
 
 
 
@@ -59,18 +60,29 @@ def batches(steps, seed=1):
     return [rng.normal(size=(GBS, WIDTH)).astype(np.float32) for _ in range(steps)]
 
 
-def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None, **step_kwargs):
+def make_diloco(cfg, inner, mesh=None, deferred=None, exchange_after_inner=None, **kwargs):
+    """`dl.DiLoCo` on the toy loss; `deferred` / `exchange_after_inner` (when given) pick a
+    form of the step that computes the same numbers (`diloco.with_plan`)."""
+    algo = dl.DiLoCo(cfg, toy_loss, inner, mesh=mesh, **kwargs)
+    changes = {k: v for k, v in [("deferred", deferred), ("exchange_after_inner", exchange_after_inner)]
+               if v is not None}
+    if changes.get("deferred") is False:
+        changes.setdefault("exchange_after_inner", False)
+    return with_plan(algo, **changes) if changes else algo
+
+
+def run_jax(cfg, inner, data, mesh=None, model=None, deferred=None, **kwargs):
     """Per-step island losses, and the final state with any pending sync folded into its
     outer model (the deferred exchange of a sync at the last step happens in the next)."""
     model = make_toy(N_LAYERS, WIDTH) if model is None else model
-    state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh, deferred=deferred, **step_kwargs)
+    algo = make_diloco(cfg, inner, mesh, deferred, **kwargs)
+    state = algo.init(model)
     losses = []
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
     # the settled state: the outer model with every sync folded in, nothing in flight
-    return np.array(losses), dataclasses.replace(state, outer=step.outer_model(state), pending=None)
+    return np.array(losses), dataclasses.replace(state, outer=algo.outer_model(state), pending=None)
 
 
 def reference_run(cfg, data, inner_np, **extra):
@@ -84,13 +96,13 @@ def reference_run(cfg, data, inner_np, **extra):
     )
 
 
-def run_counting_compilations(step, state, data):
-    """(final state, the state before the last step, compilations) of `step` over `data`,
+def run_counting_compilations(algo, state, data):
+    """(final state, the state before the last step, compilations) of `algo` over `data`,
     fetching each step's metrics as a training loop does."""
     with count_compilations() as compiles:
         for x in data:
             old = state
-            state, m = step(state, x)
+            state, m = algo.step(state, x)
             m["loss"]
     return state, old, compiles.count
 
