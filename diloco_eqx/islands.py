@@ -264,7 +264,7 @@ BACKENDS.register("drjax", DrjaxIslands)
 
 
 def register_backend(name: str, backend: type[Islands], *, overwrite: bool = False) -> None:
-    """Make `backend` selectable as `make_train_step(..., backend=name)` / `--backend name`."""
+    """Make `backend` selectable as `DiLoCo(..., backend=name)` / `--backend name`."""
     BACKENDS.register(name, backend, overwrite=overwrite)
 
 
