@@ -115,7 +115,7 @@ def blend(inner: PyTree, outer: PyTree, alpha: float) -> PyTree:
 def all_finite(tree: PyTree) -> Bool[Array, ""]:
     """Whether every value of every leaf is finite (True for a tree with no leaves): the sum
     of x − x over every value is 0, or NaN when any is NaN or ±Inf (one read of each leaf by
-    the cheapest reduction; an `all` over `isfinite` runs about 1.3× longer on XLA:CPU)."""
+    the cheapest reduction, a sum, rather than an `all` over `isfinite`)."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.ones((), bool)

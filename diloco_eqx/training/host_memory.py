@@ -5,8 +5,8 @@ other intermediate the compiled step does not keep in place) with malloc, and fr
 the call ends. glibc serves a block that large with a mapping of its own (above its mmap
 threshold; on a worker thread's arena, any block above 64 MiB) and unmaps it when freed, so
 every page the next call writes is a fresh page: a fault into the kernel, which zeroes 4 KiB
-before the store goes on. A 10M-parameter training step faults its whole 380 MB block again
-on every step (93,058 faults: a fifth of the step's CPU time is the kernel's).
+before the store goes on, so a training step faults its whole block of temporaries in again
+on every step (`benchmarks/` measures what that costs).
 
 `keep_freed_memory()` has glibc serve every block from the main heap and keep what is freed
 there, so each call reuses the pages of the last (once the heap has grown to the step's
