@@ -121,11 +121,10 @@ def sync_fragment(plan: Plan, f: int, t, inner, island_outer: IslandOuter):
         j = slot(plan.schedule, cfg.outer_delay, t)
         slot_now = read_slot(island_outer.in_flight, j)
         arrived = islands.map(lambda u: take(u, f), slot_now)
-        # Every read of the old outer copies and in-flight slot ends in these buffers (one
-        # array each, as the outer state holds f), which both in-place writes then read: each
-        # write waits for them, where the outer write reading the slot and the slot's write
-        # reading the outer copies (through the mean) left XLA no order for them and it copied
-        # both whole trees on every sync.
+        # Every read of the old outer copies and in-flight slot ends in these buffers, which
+        # both in-place writes then read, so each write waits for them. Without them the outer
+        # write reads the slot and the slot's write reads the outer copies (through the mean):
+        # no order of the two writes is in place, and XLA copies both whole trees.
         mean, fresh, arrived = written_out((frags.join(mean), islands.map(frags.join, fresh) if mode == "eager"
                                             else None, islands.map(frags.join, arrived)), t)
         step_on = islands.map(partial(outer_delta, mode), fresh, expected, arrived)
