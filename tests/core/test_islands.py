@@ -1,6 +1,6 @@
 """The two island backends (islands.py): shard_map and drjax give the NumPy reference's numbers
-and each other's on no mesh, a 1-D diloco axis and two island meshes; both compile once, keep
-the state's layout, and move the same bytes across islands, all inside the sync branches.
+and each other's on no mesh, a 1-D diloco axis and two island meshes; both compile once and keep
+the state's layout (the bytes they move across islands: tests/perf/test_islands_hlo.py).
 
 `pytest --backend drjax` reruns the whole suite on drjax; the default run covers four configs
 here, the slow set every config on every mesh."""
@@ -16,9 +16,7 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx.analysis import comms
 from diloco_eqx.islands import BACKENDS, ShardMapIslands, register_backend
-from diloco_eqx.mesh import island_size
 from tests.helpers import drops_of, run_counting_compilations
 from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
 
@@ -77,14 +75,14 @@ def data_for(k: int, steps: int = 18):
 
 
 def run(cfg, mesh, data, inner, dtype, backend):
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH, dtype=dtype), inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh, backend=backend)
+    algo = dl.DiLoCo(cfg, toy_loss, inner, mesh=mesh, backend=backend)
+    state = algo.init(make_toy(N_LAYERS, WIDTH, dtype=dtype))
     losses = []
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
     islands = [toy_to_numpy(state.island(i)) for i in range(cfg.num_replicas)]
-    return np.array(losses), toy_to_numpy(step.outer_model(state)), islands
+    return np.array(losses), toy_to_numpy(algo.outer_model(state)), islands
 
 
 def reference(cfg, data, inner_np, dtype):
@@ -126,50 +124,19 @@ def test_drjax_compiles_once_and_keeps_the_layout(mesh_name):
     unchanged, the old state's buffers donated."""
     mesh = mesh_for(mesh_name)
     cfg = config("v2_alpha05_adamw")
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.adamw(0.01), cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, optax.adamw(0.01), mesh, backend="drjax")
+    algo = dl.DiLoCo(cfg, toy_loss, optax.adamw(0.01), mesh=mesh, backend="drjax")
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     layout = [x.sharding for x in jax.tree.leaves(state)]
-    state, old, compiles = run_counting_compilations(step, state, data_for(cfg.num_replicas, 12))
+    state, old, compiles = run_counting_compilations(algo, state, data_for(cfg.num_replicas, 12))
     assert compiles == 1
     assert [x.sharding for x in jax.tree.leaves(state)] == layout
     assert old.inner_model.embed.is_deleted()
 
 
-def crossing(cfg, mesh, backend):
-    """(bytes per device across islands per fragment, cross-island collectives outside the
-    syncs) of the compiled step."""
-    state = dl.init_state(make_toy(N_LAYERS, 8), optax.adamw(0.01), cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, optax.adamw(0.01), mesh, backend=backend)
-    batch = np.zeros((cfg.num_replicas * ROWS, 8), np.float32)
-    hlo = step.lower(state, batch).compile().as_text()
-    p = dl.Schedule.from_config(cfg).num_fragments
-    return comms.fragment_payload_bytes(hlo, p, mesh), comms.cross_island_outside_syncs(hlo, mesh)
-
-
-@pytest.mark.parametrize("mesh_name,name", [("1d", "fp4_error_feedback"),
-                                            pytest.param("2x2datax2fsdp", "v1_alpha0_sequential", marks=pytest.mark.slow),
-                                            pytest.param("2x2datax2fsdp", "fp4_error_feedback", marks=pytest.mark.slow),
-                                            pytest.param("2x2data", "vanilla_sgd", marks=pytest.mark.slow)])
-def test_same_bytes_cross_islands_and_only_inside_syncs(mesh_name, name):
-    """Uncompressed, and compressed on one device per island: the same payload bytes. A
-    compressed payload of islands of several devices is split differently by GSPMD (never
-    more bytes: decoded floats do not cross)."""
-    mesh = mesh_for(mesh_name)
-    cfg = config(name)
-    written, outside = crossing(cfg, mesh, "shard_map")
-    gspmd, gspmd_outside = crossing(cfg, mesh, "drjax")
-    assert all(b > 0 for b in written)
-    if cfg.codec.lossless or island_size(mesh) == 1:
-        assert gspmd == written
-    else:
-        assert all(0 < g <= w for g, w in zip(gspmd, written))
-    assert outside == [] and gspmd_outside == []
-
-
 def test_unknown_backend_names_the_knob():
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=4)
     with pytest.raises(ValueError, match=r"backend must be one of \('shard_map', 'drjax'.*\); got 'gspmd'"):
-        dl.make_train_step(cfg, toy_loss, optax.sgd(0.1), backend="gspmd")
+        dl.DiLoCo(cfg, toy_loss, optax.sgd(0.1), backend="gspmd")
 
 
 def test_a_new_backend_is_one_class_and_one_call():
@@ -190,7 +157,7 @@ def test_a_new_backend_is_one_class_and_one_call():
         data = data_for(2, 8)
         got = run(cfg, None, data, optax.sgd(0.05), jnp.float32, "counting")
         assert_close(got, run(cfg, None, data, optax.sgd(0.05), jnp.float32, "shard_map"))
-        n_leaves = len(jax.tree.leaves(dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.05), cfg).outer))
+        n_leaves = len(jax.tree.leaves(dl.DiLoCo(cfg, toy_loss, optax.sgd(0.05)).init(make_toy(N_LAYERS, WIDTH)).outer))
         assert sorted(calls) == [1, 1, n_leaves - 1, n_leaves - 1]  # the count, every float leaf
     finally:
         BACKENDS.items.pop("counting")
@@ -221,11 +188,11 @@ def test_drjax_trains_a_model_that_gathers_from_a_split_table():
     tokens = np.random.default_rng(0).integers(0, 16, (6, 8, 5), dtype=np.int32)
 
     def losses(mesh, backend):
-        state = dl.init_state(Lookup(jax.random.key(0)), optax.adamw(1e-2), cfg, mesh)
-        step = dl.make_train_step(cfg, lookup_loss, optax.adamw(1e-2), mesh, backend=backend)
+        algo = dl.DiLoCo(cfg, lookup_loss, optax.adamw(1e-2), mesh=mesh, backend=backend)
+        state = algo.init(Lookup(jax.random.key(0)))
         out = []
         for batch in tokens:
-            state, m = step(state, batch)
+            state, m = algo.step(state, batch)
             out.append(m["loss"])
         return np.array(out)
 
