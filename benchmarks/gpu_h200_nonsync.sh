@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Target 3 on the GPU, prepared for one device call of about 7 minutes (run it on the H200,
-# the card of the committed figures, with the call's limit at 600 s): does Streaming's step
-# without an event come within 1% of plain's when XLA:GPU keeps the event loops on the
-# device instead of reading each loop's predicate on the host?
+# Steps without an event on the GPU, for one device call of about 7 minutes (on an H200, with
+# the call's limit at 600 s): does Streaming's step without an event come within 1% of
+# plain's when XLA:GPU keeps the event loops on the device instead of reading each loop's
+# predicate on the host?
 #
 #   bash benchmarks/gpu_h200_nonsync.sh [OUT_DIR]
 #

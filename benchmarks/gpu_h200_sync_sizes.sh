@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Target 2 at the sizes it names, on the GPU: the vanilla sync's extra time against the fused
+# The sync cost on the GPU at 10M and 30M: the vanilla sync's extra time against the fused
 # pass over its bytes, for the 10M and 30M models in float32 (the CPU's measurement, the same
-# command), K = 2 islands vmapped on the one device. The committed H200 figure (1.53x) is for
-# the 100M model in bfloat16; on CPU the target is contradicted at 10M and 30M. Prepared for
-# one device call of about 5 minutes (give it 600 s); not yet run.
+# command), K = 2 islands vmapped on the one device (gpu_h200.sh measures the 100M model in
+# bfloat16). For one device call of about 5 minutes (give it 600 s).
 #
 #   bash benchmarks/gpu_h200_sync_sizes.sh [OUT_DIR]
 #
 # One process per size, each with its own time limit and JSON (gpu_h200_sync_10M.json, ...),
 # so a slow compile at 30M cannot cost the 10M figures. `paired.vanilla_extra_over_floor` in
-# each JSON is the target's ratio with its 95% interval. SIZES, DTYPE and REPS let the slow
+# each JSON is the ratio with its 95% interval. SIZES, DTYPE and REPS let the slow
 # test run the same script on a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."

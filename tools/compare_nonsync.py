@@ -3,7 +3,7 @@
     python -m tools.compare_nonsync default.json graphs.json
 
 Per run, its XLA flags (the simulated-device count left out); then per size and mode the
-no-event step's ratio to plain with its 95% interval and target 3's verdict on the 1% line
+no-event step's ratio to plain with its 95% interval and its verdict on the 1% line
 (holding: the whole interval below 1.01; contradicted: above it; unresolved: across it); the
 traced steps' device-to-host copies (each a loop predicate read on the host) and their span
 over plain's, where the run was traced (with the steps' notes of command buffers run kernel
@@ -21,7 +21,7 @@ import json
 import os
 
 LINE = 1.01
-"""Target 3: a step without an event within 1% of plain's."""
+"""The line a step without an event is judged against: within 1% of plain's."""
 
 
 class Unreadable(SystemExit):

@@ -1,5 +1,5 @@
 """tools/compare_nonsync.py: verdicts on the 1% line worked out by hand, the event check,
-the committed H200 run, and (slow) the prepared GPU script run end to end on the CPU."""
+two runs compared line by line, and (slow) the prepared GPU script run end to end on the CPU."""
 
 import copy
 import json
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("low, high, expected", [
     (1.0031, 1.0076, "holding"),        # the whole interval below 1.01
-    (1.0079, 1.0121, "unresolved"),     # across it (Streaming on the H200 at 03c02a1)
+    (1.0079, 1.0121, "unresolved"),     # across it
     (1.0101, 1.0300, "contradicted"),   # above it
     (1.0000, 1.0100, "unresolved"),     # touching the line is not below it
 ])
@@ -45,16 +45,22 @@ def test_events_ran_only_when_the_outer_fragment_0_moves_at_the_apply(change, ra
     assert C.events_ran(e) is ran
 
 
-def _committed():
-    return json.loads((ROOT / "benchmarks" / "gpu_h200_nonsync.json").read_text())
+def _run(jax_version: str = "0.11.2") -> dict:
+    """A `--nonsync` JSON as `tools.benchmark` writes it: one size, DiLoCo and Streaming."""
+    modes = {"diloco": (1.0054, 1.0031, 1.0076), "streaming": (1.0100, 1.0079, 1.0121)}
+    return {"nonsync": {"100M": {"params": 114_451_200, "plain_s": 0.12001, "reps": 60, "modes": {
+                m: {"median_s": 0.121, "ratio": r, "ratio_low": lo, "ratio_high": hi} for m, (r, lo, hi) in modes.items()}}},
+            "settings": {"num_replicas": 2, "sync_period": 100, "num_fragments": 5, "overlap_steps": 1, "reps": 60},
+            "machine": {"jax": jax_version, "xla_flags": "--xla_force_host_platform_device_count=8"},
+            "dtype": "bfloat16"}
 
 
-def test_the_committed_h200_run_against_a_second_run_with_command_buffers():
-    """The H200 run at 03c02a1 (DiLoCo 1.0054 [1.0031, 1.0076], Streaming 1.0100 [1.0079,
-    1.0121]) beside a made-up second run under command buffers whose Streaming interval
-    lies below the line, with traced reads and event checks (Streaming's fragment 0 never
-    agreeing: not run as scheduled); DiLoCo's Σ|θ| 200.5 against 200 is +2.50e-03."""
-    first, second = _committed(), _committed()
+def test_a_run_against_a_second_run_with_command_buffers():
+    """A run (DiLoCo 1.0054 [1.0031, 1.0076], Streaming 1.0100 [1.0079, 1.0121]) beside a
+    second under command buffers whose Streaming interval lies below the line, with traced
+    reads and event checks (Streaming's fragment 0 never agreeing: not run as scheduled);
+    DiLoCo's Σ|θ| 200.5 against 200 is +2.50e-03."""
+    first, second = _run(), _run()
     second["machine"]["xla_flags"] = ("--xla_force_host_platform_device_count=8 "
                                       "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
     size = second["nonsync"]["100M"]
@@ -69,7 +75,7 @@ def test_the_committed_h200_run_against_a_second_run_with_command_buffers():
     lines = C.compare({"default": first, "graphs": second}).splitlines()
     assert lines[0] == "default: XLA flags (default); ?, jax 0.11.2"
     assert lines[1] == "graphs: XLA flags --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL; ?, jax 0.11.2"
-    assert lines[2].startswith("100M default: plain 120.") and lines[2].endswith("60 pairs")
+    assert lines[2] == "100M default: plain 120.01 ms, 60 pairs"
     assert lines[3].split(";")[0] == "  diloco         1.0054 [1.0031, 1.0076] holding at 1.01"
     assert lines[4].split(";")[0] == "  streaming      1.0100 [1.0079, 1.0121] unresolved at 1.01"
     assert lines[5].startswith("100M graphs: plain 120.")
@@ -80,21 +86,24 @@ def test_the_committed_h200_run_against_a_second_run_with_command_buffers():
 
 
 def test_a_failed_trace_is_named_beside_the_ratio():
-    run = _committed()
+    run = _run()
     run["nonsync"]["100M"]["trace_error"] = "RuntimeError: CUPTI went away"
     lines = C.compare({"graphs": run}).splitlines()
     assert lines[2] == "  diloco         1.0054 [1.0031, 1.0076] holding at 1.01; trace failed: RuntimeError: CUPTI went away"
 
 
 def test_a_json_of_another_section_is_refused_by_name(tmp_path):
-    with pytest.raises(SystemExit, match=r"gpu_h200\.json is not a `tools.benchmark --nonsync` JSON"):
-        C.main([str(ROOT / "benchmarks" / "gpu_h200.json"), str(ROOT / "benchmarks" / "gpu_h200_nonsync.json")])
+    (tmp_path / "steps.json").write_text(json.dumps({"rows": [], "memory": {}, "settings": {}}))
+    (tmp_path / "nonsync.json").write_text(json.dumps(_run()))
+    with pytest.raises(SystemExit, match=r"steps\.json is not a `tools.benchmark --nonsync` JSON"):
+        C.main([str(tmp_path / "steps.json"), str(tmp_path / "nonsync.json")])
     with pytest.raises(SystemExit, match="cannot read"):
         C.main([str(tmp_path / "absent.json")])
 
 
 def test_a_run_that_left_no_json_is_named_and_the_others_compared(tmp_path, capsys):
-    text = C.main([str(tmp_path / "graphs.json"), str(ROOT / "benchmarks" / "gpu_h200_nonsync.json")])
+    (tmp_path / "gpu_h200_nonsync.json").write_text(json.dumps(_run()))
+    text = C.main([str(tmp_path / "graphs.json"), str(tmp_path / "gpu_h200_nonsync.json")])
     lines = text.splitlines()
     assert lines[0].startswith(f"compare_nonsync: cannot read {tmp_path / 'graphs.json'}") and \
         lines[0].endswith("(not compared)")
