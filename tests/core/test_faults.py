@@ -10,7 +10,7 @@ import pytest
 
 import diloco_eqx as dl
 from tests.reference import NpAdamW, NpSGD, make_toy, toy_loss, toy_to_numpy
-from tests.helpers import N_LAYERS, WIDTH, alternating, batches, fast_and_slow, reference_run
+from tests.helpers import N_LAYERS, WIDTH, alternating, batches, fast_and_slow, make_diloco, reference_run
 
 
 def reference(cfg, data, dropped, log=None):
@@ -29,15 +29,15 @@ def coin_drops(cfg):
 
 
 def run_and_record(cfg, data, mesh=None):
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.05), cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, optax.sgd(0.05), mesh)
+    algo = dl.DiLoCo(cfg, toy_loss, optax.sgd(0.05), mesh=mesh)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     losses, counts = [], {}
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
         if "islands_contributed" in m:
-            counts[m["step"] - int(step.deferred)] = m["islands_contributed"]
-    return np.array(losses), toy_to_numpy(step.outer_model(state)), counts
+            counts[m["step"] - int(algo.plan.deferred)] = m["islands_contributed"]
+    return np.array(losses), toy_to_numpy(algo.outer_model(state)), counts
 
 
 LISTED = ((4, 1), (8, 0), (8, 3), (12, 2), (16, 0), (16, 1), (16, 2), (16, 3))
@@ -78,20 +78,20 @@ def test_all_dropped_sync_changes_nothing():
     # vanilla, H=3: the sync at t=6 loses both islands
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, drops=[(6, 0), (6, 1)])
     inner = optax.sgd(0.05)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    algo = dl.DiLoCo(cfg, toy_loss, inner)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     data = batches(6)
     for x in data[:5]:
-        state, _ = step(state, x)
-    before = jax.tree.map(np.asarray, (state.outer_model, state.outer_opt_state))
-    state, m = step(state, data[5])
-    after = jax.tree.map(np.asarray, (state.outer_model, state.outer_opt_state))
+        state, _ = algo.step(state, x)
+    before = jax.tree.map(np.asarray, (algo.outer_model(state), state.outer_opt_state))
+    state, m = algo.step(state, data[5])
+    after = jax.tree.map(np.asarray, (algo.outer_model(state), state.outer_opt_state))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)
     assert m["islands_contributed"] == 0 and m["outer_update_norm"] == 0.0
     # and the islands still received the (unchanged) outer model: they rejoin
     for i in range(2):
-        for name, want in toy_to_numpy(state.outer_model).items():
+        for name, want in toy_to_numpy(algo.outer_model(state)).items():
             np.testing.assert_array_equal(toy_to_numpy(state.island(i))[name], want)
 
 
@@ -149,17 +149,17 @@ def test_non_finite_island_is_reset_and_rejoins_under_adamw(mode):
     data = batches(18)
     data[4] = data[4].copy()
     data[4][4:] = np.nan
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
     # "_free": the deferred exchange free of the inner step, as on an accelerator
-    step = dl.make_train_step(cfg, toy_loss, inner, exchange_after_inner=False if mode.endswith("_free") else None)
+    algo = make_diloco(cfg, inner, exchange_after_inner=False if mode.endswith("_free") else None)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     losses, resets, contributed = [], {}, {}
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m["loss_island_0"], m["loss_island_1"]])
         if "islands_reset" in m:
             resets[m["step"]] = m["islands_reset"]
         if "islands_contributed" in m:
-            contributed[m["step"] - int(step.deferred)] = m["islands_contributed"]
+            contributed[m["step"] - int(algo.plan.deferred)] = m["islands_contributed"]
     log = {}
     ref_losses, ref_outer, ref_islands = reference_run(cfg, data, inner_np, log=log)
     assert log["resets"] == [(6, 1)]
@@ -168,7 +168,7 @@ def test_non_finite_island_is_reset_and_rejoins_under_adamw(mode):
     assert np.isnan(losses[4, 1]) and np.isfinite(losses[6:]).all()
     assert all(n == 2 for t, n in contributed.items() if t > 6)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
-    for name, got in toy_to_numpy(step.outer_model(state)).items():
+    for name, got in toy_to_numpy(algo.outer_model(state)).items():
         np.testing.assert_allclose(got, ref_outer[name], rtol=2e-5, atol=2e-5)
     for i, isl in enumerate(ref_islands):
         for name, got in toy_to_numpy(state.island(i)).items():
@@ -182,15 +182,16 @@ def _exchange(islands, drops=()):
     """One vanilla sync at t=3 of K=3 islands holding `islands` (one toy model's arrays per
     island, stacked), taken unchecked and checked: (outer, outer optimizer states, residual,
     report, finite, trusted) of each, and the outer model before."""
-    from diloco_eqx import step as step_lib
+    from diloco_eqx import exchange
 
     cfg = dl.DiLoCoConfig(num_replicas=3, sync_period=3, outer_lr=0.7, outer_momentum=0.9,
                           drops=[(3, i) for i in drops])
-    arrays = eqx.filter(dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.1), cfg), eqx.is_array)
-    plan = dl.make_train_step(cfg, toy_loss, optax.sgd(0.1)).plan.for_model(arrays.outer)
+    algo = dl.DiLoCo(cfg, toy_loss, optax.sgd(0.1))
+    arrays = eqx.filter(algo.init(make_toy(N_LAYERS, WIDTH)), eqx.is_array)
+    plan = algo.plan.for_model(arrays.outer)
 
     def sync(checked):
-        return jax.jit(lambda inner: step_lib.sync_fragment(
+        return jax.jit(lambda inner: exchange.sync_fragment(
             plan, 0, jnp.int32(3), inner, arrays.outer, arrays.outer_opt_state, None, checked=checked))(islands)
 
     return sync(False), sync(True), arrays.outer
