@@ -1,4 +1,5 @@
-"""The diloco mesh axis: same numbers for any axis size; collectives only in sync branches."""
+"""The diloco mesh axis: same numbers for any axis size (where the collectives run:
+tests/perf/test_mesh_hlo.py)."""
 
 import jax
 import numpy as np
@@ -7,7 +8,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import diloco_eqx as dl
-from diloco_eqx.analysis import comms
 from tests.reference import make_toy, toy_loss, toy_to_numpy
 
 CFG = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragments=3,
@@ -16,12 +16,12 @@ CFG = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragmen
 
 def run(cfg, mesh, steps):
     inner = optax.adamw(0.01)
-    state = dl.init_state(make_toy(4, 3), inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh)
+    algo = dl.DiLoCo(cfg, toy_loss, inner, mesh=mesh)
+    state = algo.init(make_toy(4, 3))
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(steps):
-        state, m = step(state, rng.normal(size=(8, 3)).astype(np.float32))
+        state, m = algo.step(state, rng.normal(size=(8, 3)).astype(np.float32))
         losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
     return np.array(losses), state
 
@@ -43,38 +43,10 @@ def test_same_numbers_for_every_axis_size(cfg):
         assert state.inner_model.embed.sharding.spec == dl.mesh.ISLANDS
 
 
-def compiled_hlo(cfg, mesh):
-    inner = optax.adamw(0.01)
-    state = dl.init_state(make_toy(4, 3), inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh)
-    return step.lower(state, np.zeros((8, 3), np.float32)).compile().as_text()
-
-
-@pytest.mark.parametrize("d", [2, 4])
-@pytest.mark.parametrize("cfg", [CFG, dl.DiLoCoConfig(num_replicas=4, sync_period=5)],
-                         ids=["streaming", "vanilla"])
-def test_collectives_only_inside_sync_branches(cfg, d):
-    hlo = compiled_hlo(cfg, dl.make_mesh(d))
-    found = comms.collectives(hlo)
-    assert found, "expected the pseudo-gradient all-reduce in the compiled step"
-    always = comms.unconditional_computations(hlo)
-    for c in found:
-        assert c.computation not in always, f"{c.kind} {c.name} runs on every step"
-        assert c.computation in comms.branch_computations(hlo)
-        assert "diloco_sync" in c.op_name and "diloco_apply" not in c.op_name, c.op_name
-        assert c.kind == "all-reduce"
-
-
-def test_no_collectives_without_mesh():
-    assert comms.collectives(compiled_hlo(CFG, None)) == []
-
-
 def test_k_not_divisible_by_axis_size():
     cfg = dl.DiLoCoConfig(num_replicas=3, sync_period=4)
     with pytest.raises(ValueError, match=r"num_replicas \(K\)=3 .*diloco mesh axis size 2"):
-        dl.init_state(make_toy(4, 3), optax.sgd(0.1), cfg, dl.make_mesh(2))
-    with pytest.raises(ValueError, match=r"num_replicas \(K\)=3"):
-        dl.make_train_step(cfg, toy_loss, optax.sgd(0.1), dl.make_mesh(2))
+        dl.DiLoCo(cfg, toy_loss, optax.sgd(0.1), mesh=dl.make_mesh(2))
 
 
 def test_make_mesh_rejects_too_many_devices():

@@ -65,10 +65,10 @@ def test_an_island_of_speed_zero_is_left_out():
     one = dl.DiLoCoConfig(num_replicas=1, sync_period=4)
     got = {}
     for name, cfg, rows in (("two", two, slice(None)), ("one", one, slice(0, len(data[0]) // 2))):
-        state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-        step = dl.make_train_step(cfg, toy_loss, inner)
+        algo = dl.DiLoCo(cfg, toy_loss, inner)
+        state = algo.init(make_toy(N_LAYERS, WIDTH))
         for x in data:
-            state, m = step(state, x[rows])
+            state, m = algo.step(state, x[rows])
         got[name] = (toy_to_numpy(state.outer), m)
     for n in got["one"][0]:  # two programs: XLA may fuse and round them differently (a few ulps;
         # an idle island in the mean would move the outer model by its whole pseudo-gradient)
