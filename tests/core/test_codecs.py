@@ -106,7 +106,7 @@ def test_step_matches_reference_with_compression(fmt, error_feedback, case):
     losses, state = run_jax(cfg, optax.sgd(0.05), data)
     ref_losses, ref_outer, ref_islands = _reference(cfg, data, NpSGD(0.05))
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
-    outer = toy_to_numpy(state.outer_model)
+    outer = toy_to_numpy(state.outer)  # run_jax's state: every sync folded in
     for name in outer:
         np.testing.assert_allclose(outer[name], ref_outer[name], rtol=2e-5, atol=2e-5)
     # and compression changes the result (so the comparison above is not vacuous)
@@ -125,8 +125,8 @@ def test_compressed_step_same_on_any_mesh(fmt):
     for d in (2, 4):
         l1, s1 = run_jax(cfg, optax.sgd(0.05), data, mesh=dl.make_mesh(d))
         np.testing.assert_allclose(l1, l0, rtol=1e-6, atol=1e-6)
-        for name, want in toy_to_numpy(s0.outer_model).items():
-            np.testing.assert_allclose(toy_to_numpy(s1.outer_model)[name], want, rtol=1e-6, atol=1e-7)
+        for name, want in toy_to_numpy(s0.outer).items():
+            np.testing.assert_allclose(toy_to_numpy(s1.outer)[name], want, rtol=1e-6, atol=1e-7)
 
 
 def test_compression_error_metric():
@@ -134,13 +134,13 @@ def test_compression_error_metric():
     recomputed here from the islands' parameters just before the sync."""
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, compression="fp4")
     inner = optax.sgd(0.05)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    algo = dl.DiLoCo(cfg, toy_loss, inner)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     data = batches(3)
     for x in data[:2]:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         assert "compression_error" not in m
-    outer = toy_to_numpy(state.outer_model)
+    outer = toy_to_numpy(algo.outer_model(state))
     # the islands after step 3's inner update, before the sync replaces them
     isl = []
     for i in range(2):
@@ -153,7 +153,7 @@ def test_compression_error_metric():
         d = {n: outer[n] - isl[i][n] for n in outer}
         err = sum(np.sum((np_quantize(d[n], "fp4") - d[n]) ** 2) for n in d)
         want.append(np.sqrt(err / sum(np.sum(d[n] ** 2) for n in d)))
-    state, m = step(state, data[2])
+    state, m = algo.step(state, data[2])
     assert m["compression_error"] == pytest.approx(np.mean(want), rel=1e-4)
     assert 0.02 < m["compression_error"] < 0.34
 
@@ -258,7 +258,7 @@ def test_step_matches_reference_with_topk_and_decayed_error_feedback():
     ref_losses, ref_outer, ref_islands = reference(
         compression=lambda d: np_topk(d, 0.5, 4, 2), error_feedback=True, error_decay=0.9)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
-    outer = toy_to_numpy(state.outer_model)
+    outer = toy_to_numpy(state.outer)
     for name in outer:
         np.testing.assert_allclose(outer[name], ref_outer[name], rtol=2e-5, atol=2e-5)
     for i, isl in enumerate(ref_islands):

@@ -1,4 +1,5 @@
-"""The Data-Parallel baseline equals plain full-batch training, on any diloco axis."""
+"""The Data-Parallel baseline equals plain full-batch training, on any diloco axis (its
+all-reduce in the compiled step: tests/perf/test_ddp_hlo.py)."""
 
 import equinox as eqx
 import numpy as np
@@ -6,8 +7,6 @@ import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx.analysis import comms
-from diloco_eqx.ddp import init_ddp_state, make_ddp_step
 from tests.helpers import alternating, fast_and_slow
 from tests.reference import make_toy, toy_loss
 
@@ -32,8 +31,8 @@ def test_ddp_is_full_batch_training(k, devices, opt):
     opt = OPTS[opt]
     mesh = (None if devices is None else dl.make_mesh(**devices) if isinstance(devices, dict)
             else dl.make_mesh(devices))
-    state = init_ddp_state(make_toy(4, 3), opt, mesh)
-    step = make_ddp_step(k, toy_loss, opt, mesh)
+    ddp = dl.DDP(k, toy_loss, opt, mesh=mesh)
+    state = ddp.init(make_toy(4, 3))
     model = make_toy(4, 3)
     opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
     for x in data(10):
@@ -41,10 +40,10 @@ def test_ddp_is_full_batch_training(k, devices, opt):
         loss, grads = eqx.filter_value_and_grad(toy_loss)(model, x)
         updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         model = eqx.apply_updates(model, updates)
-        state, m = step(state, x)
+        state, m = ddp.step(state, x)
         assert m["loss"] == pytest.approx(float(loss), rel=1e-5)
         assert [m[f"loss_island_{i}"] for i in range(k)] == pytest.approx(shard_losses, rel=1e-5)
-    for got, want in zip(jax_leaves(state.model), jax_leaves(model)):
+    for got, want in zip(jax_leaves(ddp.outer_model(state)), jax_leaves(model)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert int(state.step) == 10 and m["grad_norm"] > 0 and "sync_fragment" not in m
 
@@ -53,15 +52,3 @@ def jax_leaves(model):
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
-
-
-def test_ddp_all_reduces_every_step():
-    mesh = dl.make_mesh(2)
-    opt = optax.sgd(0.1)
-    step = make_ddp_step(2, toy_loss, opt, mesh)
-    hlo = step.lower(init_ddp_state(make_toy(4, 3), opt, mesh), data(1)[0]).compile().as_text()
-    found = comms.collectives(hlo)
-    assert found and all(c.computation in comms.unconditional_computations(hlo) for c in found)
-    # one mean of the gradient: |Θ| float32 values, nothing else
-    n = sum(x.size for x in jax_leaves(make_toy(4, 3)) if x.dtype == np.float32)
-    assert comms.every_step_payload_bytes(hlo) == 4 * n
