@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>13}: fragments 1..{p_frag - 1} = {groups}")
     import jax
 
-    from models.transformer import Transformer, TransformerConfig
+    from diloco_eqx.models.transformer import Transformer, TransformerConfig
 
     model = Transformer(TransformerConfig(num_layers=layers), jax.random.key(0))
     try:  # the same check every run makes when it builds its fragments

@@ -6,7 +6,7 @@
     python -m experiments.train --out runs/x --resume  # continue from the latest checkpoint
 
 The same command is installed as `diloco-train`; `--help` lists every flag. The flags come
-from the config dataclasses (diloco_eqx.DiLoCoConfig, models.transformer.TransformerConfig,
+from the config dataclasses (diloco_eqx.DiLoCoConfig, diloco_eqx.models.transformer.TransformerConfig,
 diloco_eqx.training.config); the run itself is diloco_eqx.training.runner.
 """
 

@@ -265,7 +265,7 @@ def _step_table(model, size: Size, mesh_name: str, k: int, inner, sync_period: i
     import numpy as np
 
     import diloco_eqx as dl
-    from models.transformer import count_params
+    from diloco_eqx.models.transformer import count_params
 
     mesh = _bench_mesh(mesh_name)
     vanilla = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
@@ -296,7 +296,7 @@ def _bench_steps(model, k: int, inner, mesh, vanilla, streaming, backends) -> di
     import diloco_eqx as dl
     from diloco_eqx.analysis.plain import make_plain_step
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
-    from models.transformer import loss_fn
+    from diloco_eqx.models.transformer import loss_fn
 
     steps = {"plain": make_plain_step(model, loss_fn, inner, k, mesh),
              "ddp": (init_ddp_state(model, inner, mesh), make_ddp_step(k, loss_fn, inner, mesh))}
@@ -409,7 +409,7 @@ def _memory_by_mode(size: Size, mesh_name: str, checks: dict, memory: dict, k: i
     import numpy as np
 
     import diloco_eqx as dl
-    from models.transformer import loss_fn
+    from diloco_eqx.models.transformer import loss_fn
 
     first = f"{size.name}/{mesh_name}"
     mesh = _bench_mesh(mesh_name)
@@ -476,7 +476,7 @@ def sync_cost(model, k: int, sync_period: int, num_fragments: int, reps: int,
     import numpy as np
 
     import diloco_eqx as dl
-    from models.transformer import count_params
+    from diloco_eqx.models.transformer import count_params
 
     n = count_params(model)
     vanilla = dl.DiLoCoConfig(num_replicas=k, sync_period=sync_period)
@@ -569,7 +569,7 @@ def _sync_cost_references(model, k: int, vanilla, num_fragments: int) -> tuple[i
     import equinox as eqx
     import jax
 
-    from models.transformer import count_params
+    from diloco_eqx.models.transformer import count_params
 
     n = count_params(model)
     island_bytes = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))[0].dtype.itemsize
@@ -594,7 +594,7 @@ def _sync_cost_times(model, k: int, vanilla, streamings: dict, references: dict,
 
     import diloco_eqx as dl
     from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import loss_fn
+    from diloco_eqx.models.transformer import loss_fn
 
     inner = optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (2, 9), dtype=np.int32)
@@ -785,7 +785,7 @@ def cpu_orders(model, size, k: int, sync_period: int, num_fragments: int, reps: 
     from diloco_eqx.analysis import profiling
     from diloco_eqx.analysis.plain import make_plain_step
     from diloco_eqx.compiler import CPU_SCHEDULERS
-    from models.transformer import count_params, loss_fn
+    from diloco_eqx.models.transformer import count_params, loss_fn
 
     inner, n = optax.adamw(1e-3), count_params(model)
     batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
@@ -892,7 +892,7 @@ def exchange_placement(model, size, k: int, sync_period: int, num_fragments: int
     import diloco_eqx as dl
     from diloco_eqx.analysis import profiling
     from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import count_params, loss_fn
+    from diloco_eqx.models.transformer import count_params, loss_fn
 
     inner, n = optax.adamw(1e-3), count_params(model)
     batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
@@ -938,7 +938,7 @@ def nonsync(model, size, k: int, sync_period: int, num_fragments: int, reps: int
 
     import diloco_eqx as dl
     from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import count_params, loss_fn
+    from diloco_eqx.models.transformer import count_params, loss_fn
 
     inner = optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
@@ -1242,7 +1242,7 @@ def _host_memory_worker(size: Size, sync_period: int) -> None:
 
     import diloco_eqx as dl
     from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import loss_fn
+    from diloco_eqx.models.transformer import loss_fn
 
     model, inner = _model(size), optax.adamw(1e-3)
     batch = np.random.default_rng(0).integers(0, 256, (size.global_batch, size.seq_len + 1), dtype=np.int32)
@@ -1312,7 +1312,7 @@ def _model(size: Size, dtype: str = "float32"):
     import equinox as eqx
     import jax
 
-    from models.transformer import Transformer, TransformerConfig
+    from diloco_eqx.models.transformer import Transformer, TransformerConfig
 
     model = Transformer(TransformerConfig(num_layers=size.layers, width=size.width,
                                           num_heads=size.heads, seq_len=size.seq_len), jax.random.key(0))
@@ -1405,7 +1405,7 @@ def _bfloat16_memory(model, inner, k, sync_period, size) -> dict:
     import diloco_eqx as dl
     from diloco_eqx.analysis import profiling
     from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import count_params, loss_fn
+    from diloco_eqx.models.transformer import count_params, loss_fn
 
     model = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
     batch = np.zeros((size.global_batch, size.seq_len + 1), np.int32)

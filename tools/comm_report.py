@@ -188,7 +188,7 @@ def _mesh(devices, data, fsdp):
 def _model(layers, width, heads, seq_len):
     import jax
 
-    from models.transformer import Transformer, TransformerConfig
+    from diloco_eqx.models.transformer import Transformer, TransformerConfig
 
     cfg = TransformerConfig(num_layers=layers, width=width, num_heads=heads, seq_len=seq_len)
     return Transformer(cfg, jax.random.key(0))
@@ -211,7 +211,7 @@ def _step_hlo(cfg, layers, width, heads, seq_len, global_batch, devices, data, f
     import optax
 
     import diloco_eqx as dl
-    from models.transformer import loss_fn
+    from diloco_eqx.models.transformer import loss_fn
 
     model, mesh, inner = _model(layers, width, heads, seq_len), _mesh(devices, data, fsdp), optax.adamw(1e-3)
     state = dl.init_state(model, inner, cfg, mesh)
@@ -224,7 +224,7 @@ def _ddp_hlo(k, layers, width, heads, seq_len, global_batch, devices, data, fsdp
     import optax
 
     from diloco_eqx.ddp import init_ddp_state, make_ddp_step
-    from models.transformer import loss_fn
+    from diloco_eqx.models.transformer import loss_fn
 
     model, mesh, inner = _model(layers, width, heads, seq_len), _mesh(devices, data, fsdp), optax.adamw(1e-3)
     step = make_ddp_step(k, loss_fn, inner, mesh)

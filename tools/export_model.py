@@ -6,7 +6,7 @@ Writes OUT/model.eqx (`eqx.tree_serialise_leaves` of the outer model of the late
 checkpoint, or --step's), OUT/model.json (its factory and TransformerConfig, the run and
 step it came from, and its held-out loss) and, for a BPE run, OUT/tokenizer.json. Load it with
 
-    from models.io import load_model
+    from diloco_eqx.models.io import load_model
     model, loss_fn, config = load_model("exports/default")
 """
 
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
     from diloco_eqx.training.loop import mean_loss
     from diloco_eqx.training.saved_runs import load_outer_model, model_config, recorded_eval_loss
-    from models.io import save_model
+    from diloco_eqx.models.io import save_model
 
     try:
         saved = load_outer_model(args.run, args.step)

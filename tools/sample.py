@@ -33,7 +33,7 @@ def load(run: Path, step: int | None):
     from diloco_eqx.training import tokenizer as tok
 
     if (run / "model.json").is_file():  # an export
-        from models.io import load_model
+        from diloco_eqx.models.io import load_model
 
         model, _, config = load_model(run)
         tokens = tok.load(run / "tokenizer.json") if (run / "tokenizer.json").is_file() else tok.from_spec("bytes")
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 0; got {getattr(args, name)}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0; got {args.temperature}")
-    from models.sampling import sample
+    from diloco_eqx.models.sampling import sample
 
     try:
         model, tokenizer, context = load(Path(args.run), args.step)

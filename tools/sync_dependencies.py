@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import diloco_eqx as dl
     from diloco_eqx.analysis import critical_path
-    from models.transformer import loss_fn
+    from diloco_eqx.models.transformer import loss_fn
     from tools.comm_report import _mesh, _model, config_from
 
     model = _model(args.layers, args.width, args.heads, args.seq_len)

@@ -31,7 +31,7 @@ from typing import Any
 from diloco_eqx.training.config import RunConfig, cli_fields, flag_name
 from diloco_eqx.training.config_files import config_flags, config_path, read_config
 from diloco_eqx.training.tokenizer import parse_spec
-from models.io import resolve_factory
+from diloco_eqx.models.io import resolve_factory
 
 GROUPS = {"diloco": "algorithm (the knobs of ALGORITHM.md)", "model": "model",
           "optim": "inner optimizer (AdamW, warmup + cosine decay)", "data": "data"}

@@ -16,10 +16,10 @@ from typing import Any
 from diloco_eqx.config import DELAYED_OUTER, ISLAND_WEIGHTING, DiLoCoConfig
 from diloco_eqx.islands import registered_backends
 from diloco_eqx.training.trackers import registered_trackers
-from models.transformer import TransformerConfig
+from diloco_eqx.models.transformer import TransformerConfig
 
 MODES = ("diloco", "ddp")
-DEFAULT_MODEL = "models.transformer:build"
+DEFAULT_MODEL = "diloco_eqx.models.transformer:build"
 RESUMABLE = ("resume", "tracker", "progress", "keep_host_memory", "out", "coordinator", "num_processes",
              "process_id", "heartbeat_timeout", "devices", "data_parallel", "fsdp", "backend", "checkpoint_every")
 """Settings a --resume may change: none of them changes a number the run computes (the

@@ -15,7 +15,7 @@ from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import stash as stash_lib
 from diloco_eqx.analysis import comms
 from diloco_eqx.fragments import Blocks
-from models.transformer import Transformer, TransformerConfig
+from diloco_eqx.models.transformer import Transformer, TransformerConfig
 
 CFG = dl.DiLoCoConfig(num_replicas=2, sync_period=9, streaming=True, num_fragments=3, overlap_steps=1)
 

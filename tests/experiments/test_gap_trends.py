@@ -36,7 +36,7 @@ def test_same_seed_gives_every_method_the_same_initialization_and_data_order():
 def test_sizes_and_steps():
     import equinox as eqx
 
-    import models.transformer as t
+    import diloco_eqx.models.transformer as t
 
     for name, (layers, width, heads, params) in g.SIZES.items():
         config = t.TransformerConfig(num_layers=layers, width=width, num_heads=heads, seq_len=64)

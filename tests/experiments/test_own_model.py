@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from experiments import train
-from models.io import build_model
-from models.transformer import TransformerConfig, count_params
+from diloco_eqx.models.io import build_model
+from diloco_eqx.models.transformer import TransformerConfig, count_params
 from tests.experiments.test_train import TINY, rows
 from tests.models.test_io import readme_model_source
 

@@ -1,4 +1,4 @@
-"""models/io.py: models named PACKAGE.MODULE:FACTORY (the README's own model among them), and
+"""diloco_eqx/models/io.py: models named PACKAGE.MODULE:FACTORY (the README's own model among them), and
 a model saved as a plain Equinox file and loaded back."""
 
 import re
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.io import build_model, load_model, save_model
-from models.transformer import Transformer, TransformerConfig
+from diloco_eqx.models.io import build_model, load_model, save_model
+from diloco_eqx.models.transformer import Transformer, TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = TransformerConfig(vocab_size=300, num_layers=2, width=32, num_heads=2, seq_len=16)
@@ -33,7 +33,7 @@ def my_model(tmp_path, monkeypatch):
 
 
 def test_default_factory_is_the_transformer():
-    model, loss = build_model("models.transformer:build", CONFIG, jax.random.key(3))
+    model, loss = build_model("diloco_eqx.models.transformer:build", CONFIG, jax.random.key(3))
     expected = Transformer(CONFIG, jax.random.key(3))
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(expected)))
     batch = np.arange(2 * 17).reshape(2, 17) % 300
@@ -55,9 +55,9 @@ def test_readme_model_builds_with_the_run_settings(my_model):
 @pytest.mark.parametrize("spec, message", [
     ("my_model", "--model must be PACKAGE.MODULE:FACTORY"),
     ("no_such_module_here:build", "cannot import no_such_module_here (ModuleNotFoundError"),
-    ("models.transformer:nothing", "models.transformer has no function nothing"),
-    ("models.transformer:count_params", "the factory must take (config, key)"),
-    ("models.transformer:Transformer", "the factory must return (model, loss_fn)"),
+    ("diloco_eqx.models.transformer:nothing", "diloco_eqx.models.transformer has no function nothing"),
+    ("diloco_eqx.models.transformer:count_params", "the factory must take (config, key)"),
+    ("diloco_eqx.models.transformer:Transformer", "the factory must return (model, loss_fn)"),
 ])
 def test_bad_model_names_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError) as e:
@@ -65,7 +65,7 @@ def test_bad_model_names_say_what_is_wrong(spec, message):
     assert message in str(e.value)
 
 
-@pytest.mark.parametrize("which", ["models.transformer:build", "my_model:build"])
+@pytest.mark.parametrize("which", ["diloco_eqx.models.transformer:build", "my_model:build"])
 def test_saved_model_loads_back_with_nothing_but_its_factory(tmp_path, my_model, which):
     model, loss = build_model(which, CONFIG, jax.random.key(1))
     model = eqx.filter_jit(lambda m: jax.tree.map(lambda x: x + 0.01, m))(model)  # not the init

@@ -1,4 +1,4 @@
-"""models/sampling.py: greedy decoding equals the model's own argmax on every prefix, top-k
+"""diloco_eqx/models/sampling.py: greedy decoding equals the model's own argmax on every prefix, top-k
 draws stay in the top k, and temperature-1 draws follow the softmax."""
 
 import equinox as eqx
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.sampling import sample
-from models.transformer import Transformer, TransformerConfig
+from diloco_eqx.models.sampling import sample
+from diloco_eqx.models.transformer import Transformer, TransformerConfig
 
 CONFIG = TransformerConfig(vocab_size=64, num_layers=2, width=32, num_heads=2, seq_len=8)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.transformer import Transformer, TransformerConfig, count_params, loss_fn
+from diloco_eqx.models.transformer import Transformer, TransformerConfig, count_params, loss_fn
 
 CFG = TransformerConfig(vocab_size=256, num_layers=3, width=32, num_heads=4, seq_len=16)
 

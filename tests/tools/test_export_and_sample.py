@@ -21,11 +21,11 @@ pytestmark = pytest.mark.xdist_group("export_run")  # one worker trains the run 
 
 LOAD_ALONE = """
 import sys, numpy as np, equinox as eqx
-from models.io import load_model
+from diloco_eqx.models.io import load_model
 model, loss_fn, config = load_model(sys.argv[1])
 batches = np.load(sys.argv[2])
 loss = float(np.mean([float(eqx.filter_jit(loss_fn)(model, b)) for b in batches]))
-assert not [m for m in sys.modules if m.startswith("diloco_eqx")], "loading pulled in diloco_eqx"
+assert not [m for m in sys.modules if m.startswith("diloco_eqx.training")], "loading pulled in training"
 print(repr(loss), config.vocab_size, config.seq_len)
 """
 
@@ -43,7 +43,7 @@ def test_exported_model_scores_the_runs_final_evaluation_without_diloco(run, tmp
     assert export_model.main([str(run), "--out", str(tmp_path / "exp")]) == 0
     meta = json.loads((tmp_path / "exp" / "model.json").read_text())
     final = json.loads((run / "run.json").read_text())["summary"]["eval_loss"]
-    assert meta["step"] == 12 and meta["factory"] == "models.transformer:build"
+    assert meta["step"] == 12 and meta["factory"] == "diloco_eqx.models.transformer:build"
     from diloco_eqx.training.saved_runs import load_outer_model
 
     held_out = np.stack(load_outer_model(run).job.held_out)
@@ -76,8 +76,8 @@ def test_sample_is_seeded_and_greedy_matches_the_export(run, tmp_path, capsys):
     assert capsys.readouterr().out != first  # (24 draws: equal text would be a 2^-24-ish accident)
     assert sample_tool.main([str(tmp_path / "exp"), *args, "--temperature", "0"]) == 0
     greedy = capsys.readouterr().out
-    from models.io import load_model
-    from models.sampling import sample
+    from diloco_eqx.models.io import load_model
+    from diloco_eqx.models.sampling import sample
 
     model, _, config = load_model(tmp_path / "exp")
     ids = sample(model, list(b"ab"), 24, context=config.seq_len, temperature=0)

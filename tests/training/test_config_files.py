@@ -19,7 +19,7 @@ diloco:
   drops: ["5:1", "10:0"]
 model:
   width: 48
-  model: models.transformer:build
+  model: diloco_eqx.models.transformer:build
 data:
   corpus: [markov, num_bytes=200000]
   non_iid: true

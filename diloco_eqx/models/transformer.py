@@ -136,5 +136,5 @@ def count_params(model: eqx.Module) -> int:
 
 
 def build(config: TransformerConfig, key: PRNGKeyArray) -> tuple[Transformer, Callable]:
-    """The training CLI's default `--model models.transformer:build`: the model and its loss."""
+    """The training CLI's default `--model diloco_eqx.models.transformer:build`: the model and its loss."""
     return Transformer(config, key), loss_fn

@@ -24,7 +24,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from models.transformer import TransformerConfig
+from diloco_eqx.models.transformer import TransformerConfig
 
 SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 WEIGHTS, CONFIG = "model.eqx", "model.json"
@@ -33,7 +33,7 @@ WEIGHTS, CONFIG = "model.eqx", "model.json"
 def resolve_factory(spec: str) -> Callable:
     """The function `PACKAGE.MODULE:FACTORY` names (the current directory is importable too)."""
     if not SPEC.fullmatch(spec):
-        raise ValueError(f"--model must be PACKAGE.MODULE:FACTORY (e.g. models.transformer:build); got {spec!r}")
+        raise ValueError(f"--model must be PACKAGE.MODULE:FACTORY (e.g. diloco_eqx.models.transformer:build); got {spec!r}")
     module_name, name = spec.split(":")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
