@@ -1,34 +1,32 @@
-"""make_train_step against the independent NumPy reference, and its degenerate cases."""
+"""DiLoCo's step against the independent NumPy reference, and its degenerate cases (the
+compiled step's structure: tests/perf/test_step_hlo.py)."""
 
 import itertools
-import math
-import re
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import diloco_eqx as dl
-from diloco_eqx.analysis import comms
-from tests.helpers import N_LAYERS, WIDTH, batches, count_compilations, fast_and_slow, reference_run, run_jax
-from tests.reference import NpAdamW, NpSGD, make_toy, np_run, toy_loss, toy_to_numpy
+from tests.helpers import (N_LAYERS, WIDTH, batches, count_compilations, fast_and_slow, make_diloco, reference_run,
+                           run_jax)
+from tests.reference import NpAdamW, NpSGD, make_toy, toy_loss, toy_to_numpy
 
 def assert_matches_reference(cfg, inner_jax, inner_np, steps):
     data = batches(steps)
     losses, state = run_jax(cfg, inner_jax, data)
     ref_losses, ref_outer, ref_islands = reference_run(cfg, data, inner_np)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=2e-5)
-    outer = toy_to_numpy(state.outer_model)
+    outer = toy_to_numpy(state.outer)  # run_jax's state has every sync folded in
     for name in outer:
         np.testing.assert_allclose(outer[name], ref_outer[name], rtol=2e-5, atol=2e-5)
     for i, isl in enumerate(ref_islands):
         got = toy_to_numpy(state.island(i))
         for name in got:
             np.testing.assert_allclose(got[name], isl[name], rtol=2e-5, atol=2e-5)
-    assert int(state.outer_model.calls) == 7 and np.all(np.asarray(state.inner_model.calls) == 7)
+    assert int(state.outer.calls) == 7 and np.all(np.asarray(state.inner_model.calls) == 7)
     assert int(state.step) == steps
 
 
@@ -79,54 +77,6 @@ def test_fragment_of_several_blocks_matches_reference(v, alpha):
     assert_matches_reference(cfg, optax.adamw(0.01, weight_decay=1e-4), NpAdamW(0.01), steps=18)
 
 
-@pytest.mark.parametrize("v", [0, 1])
-def test_strided_fragments_need_no_more_temporaries_than_contiguous(v):
-    """A sync of layers that are not consecutive is taken block by block: the compiled step
-    needs no more temporary memory than the same step with consecutive layers (no copy of the
-    fragment for its mean, outer step or apply). The inner step does nothing, so that the sync's
-    buffers are all the temporaries there are."""
-    inner = optax.set_to_zero()
-
-    def temps(order):
-        cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
-                              fragment_order=order, overlap_steps=v)
-        state = dl.init_state(make_toy(8, 4096), inner, cfg)
-        step = dl.make_train_step(cfg, lambda model, batch: jnp.zeros(()), inner)
-        return step.lower(state, np.zeros((2, 4096), np.float32)).compile().memory_analysis().temp_size_in_bytes
-
-    strided, contiguous = temps("interleaved"), temps("sequential")
-    assert strided <= contiguous + 1024, (strided, contiguous)
-
-
-EVENT_MODES = {
-    "vanilla": dict(),
-    "streaming_v0": dict(streaming=True, num_fragments=3),
-    "streaming_v1": dict(streaming=True, num_fragments=3, overlap_steps=1),
-    "delayed_naive": dict(streaming=True, num_fragments=3, delayed_outer="naive"),
-    "delayed_eager_sequential": dict(streaming=True, num_fragments=3, delayed_outer="eager",
-                                     fragment_order="sequential"),
-}
-
-
-@pytest.mark.parametrize("mode", list(EVENT_MODES))
-def test_events_copy_no_island_layer_stack(mode):
-    """A sync and an apply update fragments in place: the compiled events copy no array as
-    large as one stacked leaf of the islands. With delayed outer updates the write of the outer
-    copies and the write of the in-flight slot each read the other's values from a buffer written
-    out first, so XLA finds an order for both writes in place. The inner step does nothing, so
-    the events' buffers are the large ones."""
-    k, layers, width = 2, 8, 4096
-    cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=6, **EVENT_MODES[mode])
-    inner = optax.set_to_zero()
-    state = dl.init_state(make_toy(layers, width), inner, cfg)
-    step = dl.make_train_step(cfg, lambda model, batch: jnp.zeros(()), inner)
-    hlo = step.lower(state, np.zeros((2, width), np.float32)).compile().as_text()
-    copied = comms.event_copies(hlo)
-    assert copied, "no copy at all: the HLO parse found nothing to check"
-    largest = max(copied, key=lambda c: math.prod(c[1]))
-    assert math.prod(largest[1]) < k * layers * width, largest
-
-
 @pytest.mark.parametrize("k,opt", fast_and_slow(list(itertools.product([1, 2, 4], ["sgd", "adamw"])),
                                               [(1, "sgd"), (2, "adamw"), (4, "sgd")]))
 def test_vanilla_matches_reference(k, opt):
@@ -161,7 +111,7 @@ def test_one_island_every_step_is_plain_training():
         params = eqx.apply_updates(params, updates)
         plain.append(float(loss))
     np.testing.assert_allclose(losses[:, 0], plain, rtol=1e-6)
-    for got, want in zip(jax.tree.leaves(state.outer_model), jax.tree.leaves(params)):
+    for got, want in zip(jax.tree.leaves(state.outer), jax.tree.leaves(params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
 
 
@@ -174,12 +124,12 @@ def test_alpha_one_islands_train_independently_while_outer_moves(deferred):
     inner = optax.sgd(0.05)
     data = batches(12)
     model = make_toy(N_LAYERS, WIDTH)
-    state = dl.init_state(model, inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner, deferred=deferred)
+    algo = make_diloco(cfg, inner, deferred=deferred)
+    state = algo.init(model)
     outer_before = toy_to_numpy(state.outer)
     for t, x in enumerate(data, start=1):
         prev = toy_to_numpy(state.outer)
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         now = toy_to_numpy(state.outer)
         moved = {n for n in now if not np.array_equal(now[n], prev[n])}
         f = dl.Schedule.from_config(cfg).sync_fragment(t - int(deferred))
@@ -201,36 +151,32 @@ def test_alpha_one_islands_train_independently_while_outer_moves(deferred):
 
 def test_gbs_not_divisible_by_k():
     cfg = dl.DiLoCoConfig(num_replicas=3, sync_period=2)
-    inner = optax.sgd(0.1)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    algo = dl.DiLoCo(cfg, toy_loss, optax.sgd(0.1))
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     with pytest.raises(ValueError, match=r"global batch size \(GBS\)=8 .*num_replicas \(K\)=3"):
-        step(state, batches(1)[0])
+        algo.step(state, batches(1)[0])
 
 
 def test_state_is_donated_and_model_untouched():
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=2)
-    inner = optax.sgd(0.1)
+    algo = dl.DiLoCo(cfg, toy_loss, optax.sgd(0.1))
     model = make_toy(N_LAYERS, WIDTH)
-    state = dl.init_state(model, inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    state = algo.init(model)
     x = batches(1)[0]
-    new_state, _ = step(state, x)
-    assert state.outer_model.embed.is_deleted()
+    new_state, _ = algo.step(state, x)
+    assert state.outer.embed.is_deleted()
     assert not model.embed.is_deleted() and np.isfinite(np.asarray(x)).all()
-    step(new_state, x)
+    algo.step(new_state, x)
 
 
 def test_metrics_report_sync_and_apply():
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=12, streaming=True, num_fragments=4,
                           overlap_steps=1)
-    inner = optax.sgd(0.05)
-    model = make_toy(3, WIDTH)
-    state = dl.init_state(model, inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    algo = dl.DiLoCo(cfg, toy_loss, optax.sgd(0.05))
+    state = algo.init(make_toy(3, WIDTH))
     seen = {}
     for x in batches(13):
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         seen[m["step"]] = dict(m)
     assert seen[3]["sync_fragment"] == 1 and "apply_fragment" not in seen[3]
     assert seen[4]["apply_fragment"] == 1 and "sync_fragment" not in seen[4]
@@ -249,13 +195,12 @@ def test_compiles_once_over_three_periods(mesh_size):
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=12, streaming=True, num_fragments=4,
                           overlap_steps=1, alpha=0.5)
     mesh = None if mesh_size is None else dl.make_mesh(mesh_size)
-    inner = optax.adamw(0.01)
-    state = dl.init_state(make_toy(3, WIDTH), inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh)
+    algo = dl.DiLoCo(cfg, toy_loss, optax.adamw(0.01), mesh=mesh)
+    state = algo.init(make_toy(3, WIDTH))
     data = batches(36)
     with count_compilations() as compiles:
         for x in data:
-            state, m = step(state, x)
+            state, m = algo.step(state, x)
             m["loss"]  # fetching metrics must not compile anything either
     assert compiles.count == 1
 
@@ -289,11 +234,11 @@ def test_vanilla_trains_any_equinox_model(kind):
     inner = optax.sgd(0.1)
     rng = np.random.default_rng(0)
     data = [rng.normal(size=(8, 6)).astype(np.float32) for _ in range(9)]
-    state = dl.init_state(model, inner, cfg)
-    step = dl.make_train_step(cfg, _mse, inner)
+    algo = dl.DiLoCo(cfg, _mse, inner)
+    state = algo.init(model)
     got = []
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         got.append([m["loss_island_0"], m["loss_island_1"]])
 
     leaves, treedef = jax.tree.flatten(eqx.filter(model, eqx.is_inexact_array))
@@ -315,78 +260,28 @@ def test_vanilla_trains_any_equinox_model(kind):
             outer = [o - 0.7 * (d + 0.9 * v) for o, d, v in zip(outer, delta, trace)]
             islands = [list(outer), list(outer)]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(eqx.filter(step.outer_model(state), eqx.is_inexact_array)), outer):
+    for a, b in zip(jax.tree.leaves(eqx.filter(algo.outer_model(state), eqx.is_inexact_array)), outer):
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6)
 
 
-def test_stale_outer_reads_are_refused():
+def test_outer_model_folds_in_a_sync_still_in_flight():
     """With V >= 1 the exchange of a sync at the last step is still in flight: the stored
-    outer model misses it, so state.outer_model refuses and names the accessor that folds
-    it in; train_step.outer_model(state) differs from the stored value right after a sync."""
+    outer model misses it, and algo.outer_model(state) folds it in: right after the sync it
+    differs from the stored value and is the outer model the next step stores (that step
+    runs the exchange and syncs nothing). Vanilla DiLoCo has nothing in flight: its outer
+    model is the stored one."""
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=4, streaming=True, num_fragments=2, overlap_steps=1)
     inner = optax.sgd(0.05)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
-    for x in batches(2):  # t = 2 is a sync step (Δh = 2): its exchange runs at t = 3
-        state, _ = step(state, x)
-    with pytest.raises(RuntimeError, match=r"use train_step.outer_model\(state\)"):
-        state.outer_model
-    folded, stored = toy_to_numpy(step.outer_model(state)), toy_to_numpy(state.outer)
+    algo = dl.DiLoCo(cfg, toy_loss, inner)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
+    data = batches(3)
+    for x in data[:2]:  # t = 2 is a sync step (Δh = 2): its exchange runs at t = 3
+        state, _ = algo.step(state, x)
+    folded, stored = toy_to_numpy(algo.outer_model(state)), toy_to_numpy(state.outer)
     assert any(not np.array_equal(folded[n], stored[n]) for n in folded)
-    direct = dl.DiLoCoConfig(num_replicas=2, sync_period=4)
-    vanilla = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, direct)
-    assert vanilla.outer_model is vanilla.outer  # nothing can be in flight
-
-
-def _top_level_loops(step, state, batch) -> int:
-    """While loops the compiled step runs outside any loop: those in its entry computation
-    and in the computations it calls (newer XLA wraps a top-level loop in a `call`), not
-    those inside a loop's body."""
-    text = step.lower(state, batch).compile().as_text()
-    bodies = dict(re.findall(r"^(?:ENTRY )?%(\S+) .*?\{\n(.*?)^\}", text, re.S | re.M))
-    entry = re.search(r"^ENTRY %(\S+) ", text, re.M).group(1)
-
-    def loops(name: str) -> int:
-        lines = bodies[name].splitlines()
-        called = [m.group(1) for line in lines if " call(" in line and (m := re.search(r"to_apply=%([\w.\-]+)", line))]
-        return sum(" while(" in line for line in lines) + sum(loops(c) for c in called)
-
-    return loops(entry)
-
-
-@pytest.mark.parametrize("v, after_inner, want", [(0, None, 1), (1, True, 1), (1, False, 3)],
-                         ids=["v0", "v1-waiting", "v1-free"])
-def test_an_event_tests_one_predicate_whatever_p(v, after_inner, want):
-    """A step without events tests few predicates, whatever P (XLA:GPU reads each top-level
-    loop's predicate on the host): the events after the inner step sit in one guard loop
-    (the sync with its checked second pass and the apply at V = 0; at V = 1 the stash and
-    the apply, and the exchange with its checked second pass when it waits for the inner
-    step), so 1 loop; a free exchange comes before with its second pass, so 3, for P = 2
-    and 5 alike (a loop per fragment would make the count grow with P)."""
-    model, inner = make_toy(4, 8), optax.adamw(1e-3)
-    loops = {}
-    for p in (2, 5):
-        cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=10, streaming=True, num_fragments=p, overlap_steps=v)
-        step = dl.make_train_step(cfg, toy_loss, inner, exchange_after_inner=after_inner)
-        loops[p] = _top_level_loops(step, dl.init_state(model, inner, cfg), np.zeros((4, 8), np.float32))
-    assert loops == {2: want, 5: want}, loops
-
-
-def test_an_apply_reads_only_its_fragment_of_the_outer_model():
-    """The apply's loop body reads the outer fragment through a trip-dependent zero
-    (`when(zero=True)`), so no select copies the whole outer layer stack on an apply: the
-    only whole-stack selects left in the apply are inside the reset's own event (run only
-    when an island is reset)."""
-    model, inner = make_toy(4, 8), optax.adamw(1e-3)
-    cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=9, streaming=True, num_fragments=3, overlap_steps=1)
-    text = dl.make_train_step(cfg, toy_loss, inner).lower(dl.init_state(model, inner, cfg),
-                                                          np.zeros((4, 8), np.float32)).compile().as_text()
-    stack = {"f32[" + ",".join(map(str, x.shape)) + "]" for x in jax.tree.leaves(model.layers)}
-    selects = []
-    for line in text.splitlines():
-        shape, name = re.search(r"= (\w+\[[\d,]*\])", line), re.search(r'op_name="([^"]*)"', line)
-        if shape and name and shape.group(1) in stack and "/diloco_apply/" in name.group(1) \
-                and name.group(1).endswith("jit(_where)/select_n") and "vmap(jit(_where))" not in name.group(1):
-            selects.append(name.group(1).count("schedule_event"))
-    # 3: the reset's event inside the apply's, inside the guard of the events after the inner step
-    assert selects and set(selects) == {3}, selects
+    state, _ = algo.step(state, data[2])
+    for n, got in toy_to_numpy(state.outer).items():
+        np.testing.assert_allclose(got, folded[n], rtol=1e-6, atol=1e-7)
+    vanilla = dl.DiLoCo(dl.DiLoCoConfig(num_replicas=2, sync_period=4), toy_loss, inner)
+    state = vanilla.init(make_toy(N_LAYERS, WIDTH))
+    assert vanilla.outer_model(state) is state.outer  # nothing can be in flight
