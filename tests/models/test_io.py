@@ -1,4 +1,4 @@
-"""diloco_eqx/models/io.py: models named PACKAGE.MODULE:FACTORY (the README's own model among them), and
+"""diloco_eqx/models/io.py: models named PACKAGE.MODULE:FACTORY (the docs' own model among them), and
 a model saved as a plain Equinox file and loaded back."""
 
 import re
@@ -18,8 +18,9 @@ CONFIG = TransformerConfig(vocab_size=300, num_layers=2, width=32, num_heads=2, 
 
 
 def readme_model_source() -> str:
-    """The README's example model, as printed there."""
-    blocks = re.findall(r"```python\n(# my_model\.py.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    """The example model of docs/extending.md ("Your own model"), as printed there."""
+    blocks = re.findall(r"```python\n(# my_model\.py.*?)```", (ROOT / "docs" / "extending.md").read_text(),
+                        flags=re.S)
     assert len(blocks) == 1
     return blocks[0]
 
