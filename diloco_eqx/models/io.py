@@ -1,11 +1,16 @@
 """Models by name, and a model saved as a plain Equinox file.
 
 A model is named `PACKAGE.MODULE:FACTORY`: `factory(config, key)` returns `(model, loss_fn)`
-for a `TransformerConfig` (the run's model settings: vocabulary, sequence length, layers,
-width, heads, MLP ratio; a model may read only some of them) and `loss_fn(model, batch)` is
-the mean next-token loss of int32[B, T+1] rows. `save_model` writes a model's leaves with
-`eqx.tree_serialise_leaves` beside a JSON file naming its factory and config, so
-`load_model` rebuilds it with nothing but the factory, JAX and Equinox.
+and `loss_fn(model, batch)` is the mean next-token loss of int32[B, T+1] rows. `config` is
+the run's model settings: an instance of the frozen dataclass the factory declares, either
+as an attribute (`build.config = MyConfig`) or as the annotation of its first parameter
+(`def build(config: MyConfig, key)`); without one it is a `TransformerConfig` (vocabulary,
+sequence length, layers, width, heads, MLP ratio; a model may read only some of them). The
+training command makes that dataclass's fields its model flags and config-file keys.
+
+`save_model` writes a model's leaves with `eqx.tree_serialise_leaves` beside a JSON file
+naming its factory and config, so `load_model` rebuilds it with nothing but the factory,
+JAX and Equinox.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import os
 import re
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,7 +53,40 @@ def resolve_factory(spec: str) -> Callable:
     return factory
 
 
-def build_model(spec: str, config: TransformerConfig, key: jax.Array) -> tuple[eqx.Module, Callable]:
+def config_class(factory: Callable, spec: str) -> type:
+    """The config dataclass `factory` declares: its `config` attribute, else the annotation of
+    its first parameter when that is a dataclass, else `TransformerConfig`. It must be a frozen
+    dataclass with a default for every field (the defaults of the model's flags)."""
+    declared = getattr(factory, "config", None)
+    if declared is None:
+        try:
+            hints = typing.get_type_hints(factory)
+            first = next(iter(inspect.signature(factory).parameters), None)
+        except (NameError, TypeError, ValueError):  # an annotation it cannot resolve, a builtin
+            hints, first = {}, None
+        annotated = hints.get(first)
+        declared = annotated if isinstance(annotated, type) and dataclasses.is_dataclass(annotated) \
+            else TransformerConfig
+    name = getattr(declared, "__name__", repr(declared))
+    if not (isinstance(declared, type) and dataclasses.is_dataclass(declared)):
+        raise ValueError(f"--model {spec}: its config {name} must be a dataclass")
+    if not declared.__dataclass_params__.frozen:
+        raise ValueError(f"--model {spec}: its config {name} must be frozen "
+                         "(@dataclasses.dataclass(frozen=True))")
+    missing = [f.name for f in dataclasses.fields(declared) if f.init and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"--model {spec}: its config {name} needs a default for every field "
+                         f"(the flags' defaults); none for {', '.join(missing)}")
+    return declared
+
+
+def model_config_class(spec: str) -> type:
+    """The config dataclass of the factory `spec` names."""
+    return config_class(resolve_factory(spec), spec)
+
+
+def build_model(spec: str, config: Any, key: jax.Array) -> tuple[eqx.Module, Callable]:
     """`(model, loss_fn)` from the factory `spec` names, checked for shape."""
     factory = resolve_factory(spec)
     try:
@@ -62,7 +101,7 @@ def build_model(spec: str, config: TransformerConfig, key: jax.Array) -> tuple[e
     return built
 
 
-def save_model(directory: str | os.PathLike, model: eqx.Module, spec: str, config: TransformerConfig,
+def save_model(directory: str | os.PathLike, model: eqx.Module, spec: str, config: Any,
                extra: dict[str, Any] | None = None) -> Path:
     """Write `model` to DIRECTORY/model.eqx and its factory and config to DIRECTORY/model.json."""
     out = Path(directory)
@@ -73,10 +112,10 @@ def save_model(directory: str | os.PathLike, model: eqx.Module, spec: str, confi
     return out
 
 
-def load_model(directory: str | os.PathLike) -> tuple[eqx.Module, Callable, TransformerConfig]:
-    """`(model, loss_fn, config)` saved by `save_model`."""
+def load_model(directory: str | os.PathLike) -> tuple[eqx.Module, Callable, Any]:
+    """`(model, loss_fn, config)` saved by `save_model` (config: the factory's config dataclass)."""
     directory = Path(directory)
     meta = json.loads((directory / CONFIG).read_text())
-    config = TransformerConfig(**meta["config"])
+    config = model_config_class(meta["factory"])(**meta["config"])
     like, loss_fn = build_model(meta["factory"], config, jax.random.key(0))
     return eqx.tree_deserialise_leaves(directory / WEIGHTS, like), loss_fn, config

@@ -6,6 +6,10 @@ dataclass back from parsed arguments. Field metadata steers the rare field whose
 line differs from its Python form: `flag` (another name), `cli=False` (not a flag),
 `parse` (a converter for each string), `join` (list of values -> field value), `choices`,
 `metavar`. `RunConfig`'s nested sections become argument groups of one flat namespace.
+
+The model's flags are the fields of the config dataclass its factory declares (see
+`diloco_eqx.models.io`), so the command line is read twice: first for `--model` (on the
+command line, else in the `--config` file), then with that model's flags.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diloco_eqx.training.config import RunConfig, cli_fields, flag_name
+from diloco_eqx.models.io import resolve_factory
+from diloco_eqx.models.transformer import TransformerConfig
+from diloco_eqx.training.config import RunConfig, cli_fields, defaults_for_model, flag_name, model_fields
 from diloco_eqx.training.config_files import config_flags, config_path, read_config
 from diloco_eqx.training.tokenizer import parse_spec
-from diloco_eqx.models.io import resolve_factory
 
 GROUPS = {"diloco": "algorithm (the knobs of ALGORITHM.md)", "model": "model",
           "optim": "inner optimizer (AdamW, warmup + cosine decay)", "data": "data"}
@@ -137,10 +142,24 @@ def from_flags(default, args: argparse.Namespace, extra: dict[str, dict] | None 
 
 
 class Parser(argparse.ArgumentParser):
-    """Usage errors as one line and a pointer to --help, not the whole usage text."""
+    """Usage errors as one line and a pointer to --help, not the whole usage text; a flag it
+    does not know also names the model's own flags (`model_note`)."""
+
+    run_default: RunConfig | None = None
+    """The RunConfig whose values are the flags' defaults (build_parser sets it)."""
+    model_note: str | None = None
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments") and self.model_note:
+            message += f" ({self.model_note})"
         self.exit(2, f"{self.prog}: error: {message}\n{self.prog} --help lists every flag\n")
+
+
+def model_note(default: RunConfig) -> str:
+    """What the model of `default` takes: its factory, config dataclass and flags."""
+    flags = ", ".join("--" + flag_name(f).replace("_", "-") for f in model_fields(type(default.model)))
+    return (f"the model {default.model_factory} ({type(default.model).__name__}) takes "
+            f"{flags or 'no flags'}")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -148,12 +167,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 def build_parser(prog: str, description: str | None = None, default: RunConfig | None = None) -> Parser:
-    """The training command line: one group per section of `RunConfig`."""
+    """The training command line: one group per section of `RunConfig`; the model group holds
+    the flags of `default.model`'s dataclass (a ValueError names a field whose flag another
+    setting already has)."""
     default = RunConfig() if default is None else default
     parser = Parser(prog=prog, description=description, formatter_class=HelpFormatter)
+    parser.run_default, parser.model_note = default, model_note(default)
     grouped = {f.name: f.metadata["group"] for f in cli_fields(RunConfig) if "group" in f.metadata}
     for field in dataclasses.fields(RunConfig):
-        if field.name in GROUPS:
+        if field.name == "model":  # its own fields come last, so a clash is caught as theirs
+            model_group = _model_group(parser, default, [n for n, g in grouped.items() if g == "model"])
+        elif field.name in GROUPS:
             group = parser.add_argument_group(GROUPS[field.name])
             add_flags(group, default, only=[n for n, g in grouped.items() if g == field.name])
             add_flags(group, getattr(default, field.name), field.metadata.get("fields"))
@@ -167,17 +191,56 @@ def build_parser(prog: str, description: str | None = None, default: RunConfig |
         "Settings from a YAML or JSON file keyed like the flags (flat, or under diloco: model: "
         "optim: data: run:), or an earlier run's run.json to run it again; flags given here "
         "override it."))
+    _add_model_flags(model_group, default)
     return parser
+
+
+def _model_group(parser: Parser, default: RunConfig, run_flags: list[str]):
+    cls = type(default.model)
+    group = parser.add_argument_group(GROUPS["model"] if cls is TransformerConfig
+                                      else f"{GROUPS['model']} ({cls.__name__})")
+    add_flags(group, default, only=run_flags)
+    return group
+
+
+def _add_model_flags(group, default: RunConfig) -> None:
+    cls = type(default.model)
+    try:
+        add_flags(group, default.model, only=[f.name for f in model_fields(cls)])
+    except argparse.ArgumentError as e:
+        raise ValueError(f"--model {default.model_factory}: a field of its config {cls.__name__} has "
+                         f"the flag of another setting ({e}); name the field differently or give it "
+                         "another flag with metadata={'flag': ...}") from None
+
+
+def model_spec(argv: Sequence[str], settings: dict[str, Any]) -> str | None:
+    """The `--model` of `argv` (the last one given), else the config file's `model`."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--model")
+    given = pre.parse_known_args(list(argv))[0].model
+    if given is None and isinstance(settings.get("model"), str):
+        given = settings["model"]
+    return given
 
 
 def parse_run_config(argv: Sequence[str] | None, parser: Parser) -> RunConfig:
     """A RunConfig from the command line (and the JAX_* environment for multi-process runs).
     Flag-level problems exit with a usage error; the algorithm's own checks raise
-    ValueError naming the knob."""
+    ValueError naming the knob. Another model than `parser`'s (`--model`, on the command
+    line or in the config file) rebuilds the parser with that model's flags."""
     argv = sys.argv[1:] if argv is None else list(argv)
     path = config_path(argv)
+    settings = read_config(path) if path is not None else {}
+    default = parser.run_default or RunConfig()
+    spec = model_spec(argv, settings)
+    if spec is not None and spec != default.model_factory:
+        try:
+            default = defaults_for_model(spec, default)
+            parser = build_parser(parser.prog, parser.description, default)
+        except ValueError as e:
+            parser.error(str(e))
     if path is not None:
-        argv = config_flags(read_config(path), parser, path) + argv
+        argv = config_flags(settings, parser, path, parser.model_note) + argv
     args = parser.parse_args(argv)
     env = os.environ
     if args.coordinator is None and env.get("JAX_COORDINATOR_ADDRESS"):
@@ -186,7 +249,7 @@ def parse_run_config(argv: Sequence[str] | None, parser: Parser) -> RunConfig:
         if getattr(args, name) is None:
             setattr(args, name, int(env[var]) if env.get(var) else fallback)
     check_flags(args, parser)
-    return from_flags(RunConfig(), args)
+    return from_flags(default, args)
 
 
 def check_flags(a: argparse.Namespace, parser: Parser) -> None:
@@ -201,7 +264,9 @@ def check_flags(a: argparse.Namespace, parser: Parser) -> None:
     if a.num_replicas % a.num_processes:
         parser.error(f"--num-replicas (K)={a.num_replicas} must be divisible by "
                      f"--num-processes={a.num_processes}: each process runs K/N islands")
-    for name in ("num_replicas", "sync_period", "steps", "layers", "width", "heads", "seq_len",
+    model = ("layers", "width", "heads") if isinstance(getattr(parser.run_default, "model", None),
+                                                      TransformerConfig) else ()
+    for name in ("num_replicas", "sync_period", "steps", *model, "seq_len",
                  "global_batch", "checkpoint_every", "eval_batches"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(a, name)}")

@@ -1,10 +1,11 @@
 """RunConfig: everything that defines a training run, as nested dataclasses.
 
-Each knob is declared once, here or in the algorithm's `DiLoCoConfig` and the model's
-`TransformerConfig`, with its docstring beside it; `training.cli` derives the command line
-from these fields (field metadata: `flag` to name a flag differently, `cli=False` to keep a
-field off it, `parse` to read its string values). `RunConfig.flat()` is the run's settings
-as one flat dict keyed like the flags, which `run.json` records and `--resume` compares.
+Each knob is declared once, here or in the algorithm's `DiLoCoConfig` and the model's config
+(the built-in transformer's `TransformerConfig`, or the dataclass a `--model` factory
+declares), with its docstring beside it; `training.cli` derives the command line from these
+fields (field metadata: `flag` to name a flag differently, `cli=False` to keep a field off
+it, `parse` to read its string values). `RunConfig.flat()` is the run's settings as one flat
+dict keyed like the flags, which `run.json` records and `--resume` compares.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 from diloco_eqx.config import DELAYED_OUTER, ISLAND_WEIGHTING, DiLoCoConfig
 from diloco_eqx.islands import registered_backends
-from diloco_eqx.training.trackers import registered_trackers
+from diloco_eqx.models.io import model_config_class
 from diloco_eqx.models.transformer import TransformerConfig
+from diloco_eqx.training.trackers import registered_trackers
 
 MODES = ("diloco", "ddp")
 DEFAULT_MODEL = "diloco_eqx.models.transformer:build"
@@ -25,6 +27,9 @@ RESUMABLE = ("resume", "tracker", "progress", "keep_host_memory", "out", "coordi
 """Settings a --resume may change: none of them changes a number the run computes (the
 islands' layout over devices and processes, how the step is compiled, where checkpoints
 fall, what is printed)."""
+FILLED = ("vocab_size", "seq_len")
+"""Model config fields the run fills in, when the model's dataclass declares them: the
+tokenizer's vocabulary and the data's --seq-len. They are never model flags."""
 
 
 def _parse_drop(item: str) -> tuple[int, int]:
@@ -94,9 +99,10 @@ class RunConfig:
     model_factory: str = dataclasses.field(default=DEFAULT_MODEL, metadata={
         "flag": "model", "group": "model", "metavar": "PACKAGE.MODULE:FACTORY"})
     """The model: a function factory(config, key) -> (model, loss_fn) given the model
-    settings below (a TransformerConfig with the tokenizer's vocabulary and --seq-len);
-    the default is the built-in transformer."""
-    model: TransformerConfig = dataclasses.field(default_factory=lambda: TransformerConfig(width=128))
+    settings below (the factory's own config dataclass, or a TransformerConfig, with the
+    tokenizer's vocabulary and --seq-len); the default is the built-in transformer."""
+    model: Any = dataclasses.field(default_factory=lambda: TransformerConfig(width=128))
+    """The model's settings: an instance of the config dataclass the model factory takes."""
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     steps: int = 600
@@ -172,9 +178,29 @@ class RunConfig:
         return self.data.global_batch * self.data.seq_len
 
     @property
-    def model_config(self) -> TransformerConfig:
-        """The model's config with the data's sequence length."""
-        return dataclasses.replace(self.model, seq_len=self.data.seq_len)
+    def model_config(self) -> Any:
+        """The model's config with the data's sequence length (where it declares `seq_len`)."""
+        return fill(self.model, seq_len=self.data.seq_len)
+
+
+def fill(model_config: Any, **values: Any) -> Any:
+    """`model_config` with those of `values` (FILLED names) that its dataclass declares."""
+    names = {f.name for f in dataclasses.fields(model_config)}
+    return dataclasses.replace(model_config, **{k: v for k, v in values.items() if k in names})
+
+
+def model_fields(cls) -> list[dataclasses.Field]:
+    """The fields of a model config dataclass that are flags: its CLI fields but FILLED."""
+    return [f for f in cli_fields(cls) if f.name not in FILLED]
+
+
+def defaults_for_model(spec: str, default: RunConfig | None = None) -> RunConfig:
+    """`default` (RunConfig's defaults) with the model `spec` names and its config's defaults
+    (the RunConfig's own model settings where the factory takes the same dataclass)."""
+    default = RunConfig() if default is None else default
+    cls = model_config_class(spec)
+    model = default.model if type(default.model) is cls else cls()
+    return dataclasses.replace(default, model_factory=spec, model=model)
 
 
 def flag_name(field: dataclasses.Field) -> str:
@@ -186,12 +212,13 @@ def cli_fields(cls) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and f.metadata.get("cli", True)]
 
 
-def _flatten(obj) -> dict[str, Any]:
+def _flatten(obj, fields=cli_fields) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for f in cli_fields(type(obj)):
+    for f in fields(type(obj)):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            out.update(_flatten(value))
+            out.update(_flatten(value, model_fields if isinstance(obj, RunConfig) and f.name == "model"
+                                else cli_fields))
             continue
         show = f.metadata.get("show") or DILOCO_FLAGS.get(f.name, {}).get("show")
         if show and isinstance(obj, DiLoCoConfig):

@@ -1,7 +1,8 @@
 """`--config FILE`: a run's settings from YAML or JSON, as flags the command line overrides.
 
 A config file holds settings keyed like the flags (`sync_period: 30` or `sync-period: 30`),
-flat or under the sections of `--help` (`diloco:`, `model:`, `optim:`, `data:`, `run:`).
+flat or under the sections of `--help` (`diloco:`, `model:`, `optim:`, `data:`, `run:`); the
+`model:` keys are the fields of the model's config dataclass (the `--model` factory's own).
 An earlier run's `run.json` is a config too: its recorded `settings` (without `resume`), so
 `--config runs/x/run.json --out runs/y` runs the same job again. The file's settings become
 flags placed before the command line's own, so every flag given there wins.
@@ -59,8 +60,10 @@ def read_config(path: str) -> dict[str, Any]:
     return flat
 
 
-def config_flags(settings: dict[str, Any], parser: argparse.ArgumentParser, path: str) -> list[str]:
-    """The command-line flags that say what `settings` says (None leaves the default)."""
+def config_flags(settings: dict[str, Any], parser: argparse.ArgumentParser, path: str,
+                 model_note: str | None = None) -> list[str]:
+    """The command-line flags that say what `settings` says (None leaves the default); an
+    unknown key's error ends with `model_note` (what the model takes)."""
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
     actions.pop("config", None)
     argv: list[str] = []
@@ -69,8 +72,9 @@ def config_flags(settings: dict[str, Any], parser: argparse.ArgumentParser, path
         if action is None:
             near = difflib.get_close_matches(key, list(actions), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
+            note = f"; {model_note}" if model_note else ""
             raise ValueError(f"--config {path}: unknown setting {key!r}{hint}; settings are the flags' "
-                             "names, listed by --help")
+                             f"names, listed by --help{note}")
         if value is None:
             continue
         flag = action.option_strings[0]

@@ -28,7 +28,7 @@ from diloco_eqx.analysis import comms
 from diloco_eqx.training import data, host_memory, multiprocess, sources, token_files
 from diloco_eqx.training import tokenizer as tok_lib
 from diloco_eqx.training.checkpoint import Checkpointer, key_from_json, key_to_json, last_complete_step
-from diloco_eqx.training.config import RESUMABLE, RunConfig
+from diloco_eqx.training.config import RESUMABLE, RunConfig, fill
 from diloco_eqx.training.loop import (
     Interrupted,
     LoopConfig,
@@ -148,7 +148,7 @@ def build(cfg: RunConfig) -> Job:
                                   non_iid=d.non_iid, rows=rows)
     held_out = data.eval_batches(corpus, eval_ids, seq_len=d.seq_len, batch_size=d.global_batch,
                                  max_batches=d.eval_batches)
-    model_config = dataclasses.replace(cfg.model_config, vocab_size=corpus.vocab_size)
+    model_config = fill(cfg.model_config, vocab_size=corpus.vocab_size)
     model, loss_fn = build_model(cfg.model_factory, model_config, jax.random.key(cfg.seed))
     inner, lr = inner_optimizer(cfg)
     if cfg.mode == "diloco":
