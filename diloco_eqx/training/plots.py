@@ -3,7 +3,8 @@
 
 Each run is one colour: the mean training loss as a line, each island as a thin line,
 held-out evaluations (of the outer model) as markers, and its syncs as ticks along the
-bottom. The loss axis is logarithmic, so the first steep drop does not squash the rest.
+bottom. The loss axis is logarithmic, so the first steep drop does not squash the rest, and
+its ticks read as plain numbers (2, 3, 4).
 Runs are labelled by the settings that differ between them. Without --out, one run's plot
 goes to RUN/loss.png and several runs' to compare.png in their common parent directory.
 """
@@ -20,6 +21,8 @@ from diloco_eqx.training.config import RESUMABLE
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import Formatter  # noqa: E402
 
 IGNORED = set(RESUMABLE)
 """Settings that do not change what a run computes: never used as labels."""
@@ -64,7 +67,36 @@ def labels(run_dirs: list[Path], settings: list[dict]) -> list[str]:
     return out
 
 
+class PlainNumbers(Formatter):
+    """Tick labels as plain numbers (2, 3, 0.5) on the ticks `labelled` labels (a log axis's
+    own formatter, which writes 2×10⁰ and picks which ticks carry a label)."""
+
+    def __init__(self, labelled: Formatter):
+        self.labelled = labelled
+
+    def set_axis(self, axis):
+        super().set_axis(axis)
+        self.labelled.set_axis(axis)
+
+    def set_locs(self, locs):
+        super().set_locs(locs)
+        self.labelled.set_locs(locs)
+
+    def __call__(self, x, pos=None) -> str:
+        return f"{x:g}" if self.labelled(x, pos) else ""
+
+
 def plot_runs(run_dirs, out_path, smooth: int = 10) -> Path:
+    """Draw the runs' losses (see the module's docstring) into the PNG `out_path`."""
+    fig = loss_figure(run_dirs, smooth)
+    out_path = Path(out_path)
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path
+
+
+def loss_figure(run_dirs, smooth: int = 10) -> Figure:
+    """The figure `plot_runs` saves: loss against steps and against tokens."""
     run_dirs = [Path(d) for d in run_dirs]
     runs = [load_run(d) for d in run_dirs]
     names = labels(run_dirs, [read_settings(d) for d in run_dirs])
@@ -76,14 +108,13 @@ def plot_runs(run_dirs, out_path, smooth: int = 10) -> Path:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss (nats/token, log scale)")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(PlainNumbers(ax.yaxis.get_major_formatter()))
+        ax.yaxis.set_minor_formatter(PlainNumbers(ax.yaxis.get_minor_formatter()))
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=8)
     axes[0].set_title(f"loss vs steps (train smoothed over {smooth}; islands thin; syncs ticked)")
     axes[1].set_title("loss vs tokens")
-    out_path = Path(out_path)
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-    return out_path
+    return fig
 
 
 def _draw_run(axes, color: str, label: str, steps: list[dict], evals: list[dict], smooth: int) -> None:

@@ -1,7 +1,9 @@
 """tools/plot_runs.py draws a PNG from run directories and rejects directories without metrics."""
 
 import json
+import re
 
+import matplotlib.pyplot as plt
 import pytest
 
 from diloco_eqx.training import plots as plot_runs
@@ -78,3 +80,19 @@ def test_loss_axis_is_logarithmic_with_syncs_ticked(tmp_path, monkeypatch):
     plot_runs.plot_runs([tmp_path / "a"], tmp_path / "x.png", smooth=1)
     assert seen["scale"] == "log"
     assert [c.get_segments()[0][0][0] for c in seen["ticks"]] == [2.0]  # the sync at step 2
+
+
+@pytest.mark.parametrize("losses, shown", [([5.0, 4.0, 3.0, 1.9], {"2", "3", "4"}),
+                                           ([2.3, 2.2, 2.1, 2.0], {"2", "2.1", "2.2", "2.3"}),
+                                           ([6.0, 1.0, 0.2, 0.05], {"0.1", "1"})])
+def test_log_axis_ticks_read_as_plain_numbers(tmp_path, losses, shown):
+    fake_run(tmp_path / "a", "diloco", losses)
+    fig = plot_runs.loss_figure([tmp_path / "a"], smooth=1)
+    fig.canvas.draw()
+    for ax in fig.axes:
+        low, high = ax.get_ylim()
+        texts = {t.get_text() for which in ("major", "minor") for t in ax.yaxis.get_ticklabels(which=which)
+                 if t.get_text() and low <= t.get_position()[1] <= high}
+        assert shown <= texts, texts
+        assert all(re.fullmatch(r"\d+(\.\d+)?", t) for t in texts), texts
+    plt.close(fig)
