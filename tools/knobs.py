@@ -11,6 +11,8 @@ table cannot drift from the code. A marker names what to tabulate:
                                                                      chosen fields, in order
 
 A bare class or section lists its scalar fields (nested sections have tables of their own).
+A dataclass that is not one of RunConfig's sections is read as a model's config, as `--model`
+takes it: the fields the run fills in (the vocabulary, the sequence length) are not flags.
 A class's table gains a column "`diloco-train` default" when the training command's default differs.
 The docs' build (docs/hooks.py) replaces each one-line marker with its table. README.md,
 which is read as it is, keeps its table between `<!-- knobs:begin SPEC -->` and
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco_eqx.training.cli import field_docs
-from diloco_eqx.training.config import RunConfig, cli_fields, flag_name
+from diloco_eqx.training.config import RunConfig, cli_fields, flag_name, model_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- knobs: (?P<spec>[^>]+?) -->$", re.M)
@@ -100,9 +102,17 @@ def _rows_of(instance: Any, paths: list[str]) -> list[Row]:
             obj = getattr(obj, section)
         cls = type(obj)
         field = _field(cls, name)
-        flag = "--" + flag_name(field).replace("_", "-") if field in cli_fields(cls) else None
+        flag = "--" + flag_name(field).replace("_", "-") if field in _flagged(cls) else None
         rows.append(Row(path, flag, _declared_type(field), getattr(obj, name), field_docs(cls).get(name, "")))
     return rows
+
+
+def _flagged(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls` that are flags of the training command: all of a section of
+    RunConfig's own (the run, the algorithm, the optimizer, the data); of any other dataclass,
+    which the command takes as a model's config, those the run does not fill in itself."""
+    sections = {type(getattr(RunConfig(), f.name)) for f in dataclasses.fields(RunConfig) if f.name != "model"}
+    return cli_fields(cls) if cls is RunConfig or cls in sections else model_fields(cls)
 
 
 def _run_default(cls: type) -> Any | None:
