@@ -5,6 +5,8 @@
 - A picture a page links from the repository outside docs/ (`../experiments/results/x.png`,
   the link that also works when the page is read as a file) is copied into the site at the
   same path, and the link points there.
+- Any other link to a file outside docs/ (`../benchmarks/README.md`) becomes the file's path
+  in the repository, as code: the site holds docs/ only.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ if str(ROOT) not in sys.path:  # the repository's tools/ are not installed
 from tools import knobs  # noqa: E402
 
 PICTURE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+\.(?:png|svg|jpg|jpeg|gif))(\))")
+LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]+)\]\((?P<link>[^)\s#]+)(?P<anchor>#[^)\s]*)?\)")
 
 
 def _outside(src_uri: str, link: str) -> str | None:
-    """The repository path of a picture `link` on page `src_uri` that lies outside docs/."""
+    """The repository path of what `link` on page `src_uri` names, if it lies outside docs/."""
     if "://" in link or link.startswith("/"):
         return None
     target = (DOCS / posixpath.dirname(src_uri) / link).resolve()
@@ -37,7 +40,7 @@ def _outside(src_uri: str, link: str) -> str | None:
     except ValueError:
         pass
     try:
-        return target.relative_to(ROOT).as_posix() if target.is_file() else None
+        return target.relative_to(ROOT).as_posix() if target.exists() else None
     except ValueError:
         return None
 
@@ -62,4 +65,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             return m[0]
         return m[1] + posixpath.relpath(path, posixpath.dirname(src) or ".") + m[3]
 
-    return PICTURE.sub(relink, knobs.expand(markdown))
+    def to_path(m: re.Match) -> str:
+        path = _outside(src, m["link"])
+        if path is None:
+            return m[0]
+        return f"`{path}`" if m["text"].strip("`") == path else f"{m['text']} (`{path}`)"
+
+    return LINK.sub(to_path, PICTURE.sub(relink, knobs.expand(markdown)))
