@@ -25,22 +25,21 @@ CFG = dl.DiLoCoConfig(num_replicas=4, sync_period=6, streaming=True, num_fragmen
 
 
 def trained_state(mesh, steps=5):
-    opt = optax.adamw(0.01)
-    state = dl.init_state(make_toy(4, 3), opt, CFG, mesh)
-    step = dl.make_train_step(CFG, toy_loss, opt, mesh)
+    algo = dl.DiLoCo(CFG, toy_loss, optax.adamw(0.01), mesh=mesh)
+    state = algo.init(make_toy(4, 3))
     rng = np.random.default_rng(0)
     for _ in range(steps):
-        state, _ = step(state, rng.normal(size=(8, 3)).astype(np.float32))
-    return state, opt
+        state, _ = algo.step(state, rng.normal(size=(8, 3)).astype(np.float32))
+    return state, algo
 
 
 def test_round_trip_is_exact_and_keeps_sharding(tmp_path):
     mesh = dl.make_mesh(2)
-    state, opt = trained_state(mesh)
+    state, algo = trained_state(mesh)
     ckpt = Checkpointer(tmp_path / "ck")
     key = jax.random.key(42)
     ckpt.save(5, state, {"data": {"next_index": 5}, "rng": key_to_json(key)})
-    like = dl.init_state(make_toy(4, 3), opt, CFG, mesh)
+    like = algo.init(make_toy(4, 3))
     step, restored, extra = ckpt.restore(like)
     assert step == 5 and extra["data"] == {"next_index": 5}
     assert np.array_equal(jax.random.key_data(key_from_json(extra["rng"])), jax.random.key_data(key))
@@ -95,14 +94,14 @@ DAMAGE = {
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
-    early, opt = trained_state(None, steps=1)
+    early, algo = trained_state(None, steps=1)
     late, _ = trained_state(None, steps=3)
     ckpt = Checkpointer(tmp_path / "ck")
     ckpt.save(10, early, {"data": {"i": 10}})
     ckpt.save(20, late, {"data": {"i": 20}})
     DAMAGE[damage](tmp_path / "ck" / "20")
     said = []
-    like = dl.init_state(make_toy(4, 3), opt, CFG, None)
+    like = algo.init(make_toy(4, 3))
     step, restored, extra = Checkpointer(tmp_path / "ck").restore_intact(like, say=said.append)
     assert step == 10 and extra == {"data": {"i": 10}}
     for a, b in zip(jax.tree.leaves(early), jax.tree.leaves(restored)):
@@ -117,15 +116,14 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, damage):
 
 
 def test_every_checkpoint_damaged_is_a_clear_error(tmp_path):
-    state, opt = trained_state(None, steps=1)
+    state, algo = trained_state(None, steps=1)
     ckpt = Checkpointer(tmp_path / "ck")
     for s in (10, 20):
         ckpt.save(s, state, {"data": {}})
         truncate(_data_file(tmp_path / "ck" / str(s)))
     said = []
     with pytest.raises(DamagedCheckpoint, match=r"no intact checkpoint left in .*\(damaged: steps 20, 10"):
-        Checkpointer(tmp_path / "ck").restore_intact(dl.init_state(make_toy(4, 3), opt, CFG, None),
-                                                     say=said.append)
+        Checkpointer(tmp_path / "ck").restore_intact(algo.init(make_toy(4, 3)), say=said.append)
     assert said[-1].endswith("no earlier checkpoint")
     assert Checkpointer(tmp_path / "empty").restore_intact(state) is None
 
