@@ -36,18 +36,18 @@ def run_both(dtype, cfg, steps=12, lr=0.05):
     jdt, ndt = DTYPES[dtype]
     model = make_toy(N_LAYERS, WIDTH, dtype=jdt)
     data = batches(steps)
-    state = dl.init_state(model, optax.sgd(lr), cfg)
-    step = dl.make_train_step(cfg, toy_loss, optax.sgd(lr))
+    algo = dl.DiLoCo(cfg, toy_loss, optax.sgd(lr))
+    state = algo.init(model)
     losses = []
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
     ref = np_run(
         toy_to_numpy(model), data, k=cfg.num_replicas, h=cfg.sync_period, inner=NpSGD(lr, ndt),
         streaming=cfg.streaming, p=cfg.num_fragments, v=cfg.overlap_steps, alpha=cfg.alpha,
         compression=cfg.compression, dtype=ndt, outer_dtype=cfg.outer_dtype,
     )
-    return state, step.outer_model(state), np.array(losses), ref
+    return state, algo.outer_model(state), np.array(losses), ref
 
 
 @pytest.mark.parametrize(
@@ -113,13 +113,13 @@ def test_adamw_in_bfloat16_with_compression_stays_finite():
     inner = optax.adamw(0.01, weight_decay=1e-4)
     for mode in MODES.values():
         cfg = dl.DiLoCoConfig(num_replicas=2, compression="bf16", **mode)
-        state = dl.init_state(model, inner, cfg)
-        step = dl.make_train_step(cfg, toy_loss, inner)
+        algo = dl.DiLoCo(cfg, toy_loss, inner)
+        state = algo.init(model)
         for x in batches(13):
-            state, m = step(state, x)
+            state, m = algo.step(state, x)
             assert np.isfinite(m["loss"])
         assert state.inner_model.embed.dtype == jnp.bfloat16
-        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(step.outer_model(state)))
+        assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in jax.tree.leaves(algo.outer_model(state)))
 
 
 def test_outer_dtype_knob_is_validated():
@@ -147,18 +147,18 @@ def test_any_outer_optimizer_with_one_state_per_fragment(name, v):
                           overlap_steps=v, alpha=0.5)
     inner = optax.sgd(0.05)
     data = batches(18)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, outer_optimizer=make_jax())
-    step = dl.make_train_step(cfg, toy_loss, inner, outer_optimizer=make_jax())
+    algo = dl.DiLoCo(cfg, toy_loss, inner, outer_optimizer=make_jax())
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     losses = []
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m["loss_island_0"], m["loss_island_1"]])
     log = {}
     ref_losses, ref_outer, ref_islands = np_run(
         toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=2, h=6, inner=NpSGD(0.05), streaming=True,
         p=3, v=v, alpha=0.5, outer_opt=make_np(), log=log)
     np.testing.assert_allclose(np.array(losses), ref_losses, rtol=2e-5, atol=2e-5)
-    for n, got in toy_to_numpy(step.outer_model(state)).items():
+    for n, got in toy_to_numpy(algo.outer_model(state)).items():
         np.testing.assert_allclose(got, ref_outer[n], rtol=2e-5, atol=2e-5)
     counts = [int(optax.tree_utils.tree_get(s, "count")) for s in state.outer_opt_state]
     counts[0] += v  # with V = 1 fragment 0's sync at t = 18 is still in flight in the state
@@ -184,13 +184,15 @@ class _SharedCount:
         return new, None
 
 
-def test_mismatched_outer_optimizer_is_named():
+def test_a_state_of_another_outer_optimizer_is_refused_by_name():
+    """A state made by a DiLoCo with outer Adam, stepped by one with the default Nesterov
+    SGD: the step names the outer optimizer and the init to make the state with."""
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=2)
     inner = optax.sgd(0.05)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, outer_optimizer=optax.adam(0.1))
-    step = dl.make_train_step(cfg, toy_loss, inner)  # the default Nesterov SGD
-    with pytest.raises(ValueError, match="give init_state and make_train_step the same outer_optimizer"):
-        step(state, batches(1)[0])
+    state = dl.DiLoCo(cfg, toy_loss, inner, outer_optimizer=optax.adam(0.1)).init(make_toy(N_LAYERS, WIDTH))
+    nesterov = dl.DiLoCo(cfg, toy_loss, inner)
+    with pytest.raises(ValueError, match="outer_optimizer: .* make the state with this DiLoCo's init"):
+        nesterov.step(state, batches(1)[0])
 
 
 # ---------------------------------------------------------------- outer optimizers by name
@@ -207,17 +209,17 @@ def test_outer_optimizer_by_name_matches_its_rule(name, knobs, make_np):
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3,
                           overlap_steps=1, alpha=0.5, outer_optimizer=name, **knobs)
     inner, data = optax.sgd(0.05), batches(18)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    algo = dl.DiLoCo(cfg, toy_loss, inner)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     losses = []
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m["loss_island_0"], m["loss_island_1"]])
     ref_losses, ref_outer, _ = np_run(toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=2, h=6,
                                       inner=NpSGD(0.05), streaming=True, p=3, v=1, alpha=0.5,
                                       outer_opt=make_np())
     np.testing.assert_allclose(np.array(losses), ref_losses, rtol=2e-5, atol=2e-5)
-    for n, got in toy_to_numpy(step.outer_model(state)).items():
+    for n, got in toy_to_numpy(algo.outer_model(state)).items():
         np.testing.assert_allclose(got, ref_outer[n], rtol=2e-5, atol=2e-5)
 
 
@@ -226,17 +228,17 @@ def test_averaging_makes_the_outer_model_the_islands_mean():
     plain mean of the islands' parameters just before it (computed here from the islands)."""
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, outer_optimizer="average")
     inner, data = optax.sgd(0.05), batches(3)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    algo = dl.DiLoCo(cfg, toy_loss, inner)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     for x in data[:2]:
-        state, _ = step(state, x)
+        state, _ = algo.step(state, x)
     # the third step's inner update, by hand, on each island; then the sync averages them
     islands = [toy_to_numpy(state.island(i)) for i in range(2)]
     rows = np.asarray(data[2]).reshape(2, -1, *np.asarray(data[2]).shape[1:])
     from tests.reference import np_loss_and_grad
 
     moved = [{n: p[n] - 0.05 * np_loss_and_grad(p, rows[i])[1][n] for n in p} for i, p in enumerate(islands)]
-    state, _ = step(state, data[2])
+    state, _ = algo.step(state, data[2])
     for n, got in toy_to_numpy(state.outer).items():
         np.testing.assert_allclose(got, (moved[0][n] + moved[1][n]) / 2, rtol=1e-5, atol=1e-6)
 
