@@ -23,14 +23,14 @@ CASES = {
 }
 
 
-def run(cfg, data, inner):
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+def run(cfg, data, inner, **kwargs):
+    algo = dl.DiLoCo(cfg, toy_loss, inner, **kwargs)
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     losses = []
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m[f"loss_island_{i}"] for i in range(cfg.num_replicas)])
-    return np.array(losses), state, step
+    return np.array(losses), state, algo
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -40,14 +40,14 @@ def test_step_matches_reference(case):
     k = 4 if "drop" in case else 2
     cfg = dl.DiLoCoConfig(num_replicas=k, sync_period=3, **CASES[case])
     data = batches(12)
-    losses, state, step = run(cfg, data, optax.adamw(0.02, weight_decay=1e-4))
+    losses, state, algo = run(cfg, data, optax.adamw(0.02, weight_decay=1e-4))
     dropped = (lambda t, i: (t, i) in cfg.drops) if cfg.drops else None
     ref_losses, ref_mean, ref_outers = np_run_delayed(
         toy_to_numpy(make_toy(N_LAYERS, WIDTH)), data, k=k, h=3, inner=NpAdamW(0.02), mode=cfg.delayed_outer,
         delay=cfg.outer_delay, streaming=cfg.streaming, p=cfg.num_fragments, order=cfg.fragment_order, alpha=cfg.alpha,
         outer_opt=NpNesterov(0.7, 0.9), speeds=cfg.island_steps, weighting=cfg.island_weighting, dropped=dropped)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-    for n, got in toy_to_numpy(step.outer_model(state)).items():
+    for n, got in toy_to_numpy(algo.outer_model(state)).items():
         np.testing.assert_allclose(got, ref_mean[n], rtol=2e-5, atol=2e-5)
     copies = toy_to_numpy(state.island_outer.params)  # leaves with an island axis
     for i in range(k):
@@ -65,12 +65,11 @@ def test_non_finite_island_is_reset_to_its_own_outer_copy():
     data = batches(12)
     data[4] = data[4].copy()
     data[4][4:] = np.nan  # island 1's rows
-    inner = optax.sgd(0.05)
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg)
-    step = dl.make_train_step(cfg, toy_loss, inner)
+    algo = dl.DiLoCo(cfg, toy_loss, optax.sgd(0.05))
+    state = algo.init(make_toy(N_LAYERS, WIDTH))
     losses, resets, contributed = [], {}, {}
     for x in data:
-        state, m = step(state, x)
+        state, m = algo.step(state, x)
         losses.append([m["loss_island_0"], m["loss_island_1"]])
         resets[int(m["step"])] = int(m.get("islands_reset", 0))
         contributed[int(m["step"])] = int(m.get("islands_contributed", 0))
@@ -82,7 +81,7 @@ def test_non_finite_island_is_reset_to_its_own_outer_copy():
     losses = np.array(losses)
     assert np.isnan(losses[4:6, 1]).all() and np.isfinite(losses[6:]).all()  # back after the apply at t = 6
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-    for n, got in toy_to_numpy(step.outer_model(state)).items():
+    for n, got in toy_to_numpy(algo.outer_model(state)).items():
         np.testing.assert_allclose(got, ref_mean[n], rtol=2e-5, atol=2e-5)
 
 
@@ -133,13 +132,21 @@ def test_knob_errors_are_named():
 
 
 def test_stored_outer_is_not_the_model_to_evaluate():
+    """With delayed outer updates the stored outer model stays the initial one: after a sync
+    algo.outer_model(state) is the islands' mean of their outer copies, not state.outer. A
+    step of a DiLoCo without delayed updates refuses the state by name."""
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=3, delayed_outer="eager")
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), optax.sgd(0.1), cfg)
-    with pytest.raises(RuntimeError, match=r"delayed_outer naive or eager .* train_step.outer_model"):
-        state.outer_model
-    other = dl.make_train_step(dl.DiLoCoConfig(num_replicas=2, sync_period=3), toy_loss, optax.sgd(0.1))
-    with pytest.raises(ValueError, match="delayed_outer: the state was made for a different"):
-        other(state, batches(1)[0])
+    _, state, algo = run(cfg, batches(3), optax.sgd(0.1))
+    start, stored = toy_to_numpy(make_toy(N_LAYERS, WIDTH)), toy_to_numpy(state.outer)
+    mean = toy_to_numpy(algo.outer_model(state))
+    copies = toy_to_numpy(state.island_outer.params)
+    for n in start:
+        np.testing.assert_array_equal(stored[n], start[n])
+        np.testing.assert_allclose(mean[n], copies[n].mean(axis=0), rtol=1e-6, atol=1e-7)
+    assert any(not np.allclose(mean[n], stored[n]) for n in start)
+    other = dl.DiLoCo(dl.DiLoCoConfig(num_replicas=2, sync_period=3), toy_loss, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="delayed_outer: the state was made by a DiLoCo with another delayed_outer"):
+        other.step(state, batches(1)[0])
 
 
 @pytest.mark.slow
@@ -150,14 +157,9 @@ def test_same_numbers_on_a_mesh_and_on_drjax(where):
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=4, streaming=True, num_fragments=2, delayed_outer="eager",
                           island_speed=(1.0, 0.5), island_weighting="tokens")
     inner, data = optax.adamw(0.02, weight_decay=1e-4), batches(8)
-    base, base_state, base_step = run(cfg, data, inner)
+    base, base_state, base_algo = run(cfg, data, inner, backend="shard_map")
     mesh = dl.make_mesh(2) if where == "mesh2" else None
-    state = dl.init_state(make_toy(N_LAYERS, WIDTH), inner, cfg, mesh)
-    step = dl.make_train_step(cfg, toy_loss, inner, mesh, backend="drjax" if where == "drjax" else "shard_map")
-    losses = []
-    for x in data:
-        state, m = step(state, x)
-        losses.append([m["loss_island_0"], m["loss_island_1"]])
-    np.testing.assert_allclose(np.array(losses), base, rtol=1e-6)
-    for n, got in toy_to_numpy(step.outer_model(state)).items():
-        np.testing.assert_allclose(got, toy_to_numpy(base_step.outer_model(base_state))[n], rtol=1e-6, atol=1e-7)
+    losses, state, algo = run(cfg, data, inner, mesh=mesh, backend="drjax" if where == "drjax" else "shard_map")
+    np.testing.assert_allclose(losses, base, rtol=1e-6)
+    for n, got in toy_to_numpy(algo.outer_model(state)).items():
+        np.testing.assert_allclose(got, toy_to_numpy(base_algo.outer_model(base_state))[n], rtol=1e-6, atol=1e-7)
