@@ -46,7 +46,7 @@ MAXTEXT_READ = {*MAXTEXT_NAMES, *MAXTEXT_DEFAULTS, "enable_diloco", "num_slices"
 
 @dataclasses.dataclass(frozen=True)
 class DiLoCoConfig:
-    """The algorithm's knobs (ALGORITHM.md), each declared once here with its docstring
+    """The algorithm's knobs (docs/algorithm.md), each declared once here with its docstring
     (the CLI and tools derive their flags from these fields). Invalid values raise
     ValueError naming the knob."""
 

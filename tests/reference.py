@@ -1,8 +1,8 @@
-"""An independent NumPy reading of ALGORITHM.md, and the small model both sides train.
+"""An independent NumPy reading of docs/algorithm.md, and the small model both sides train.
 
 Nothing here imports diloco_eqx: islands are a Python list of dicts of float64 arrays,
 gradients are written out by hand, and the schedule, fragments, Nesterov step and blend
-are re-derived from ALGORITHM.md's formulas.
+are re-derived from docs/algorithm.md's formulas.
 """
 
 from __future__ import annotations

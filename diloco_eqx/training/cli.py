@@ -38,7 +38,7 @@ from diloco_eqx.training.config import RunConfig, cli_fields, defaults_for_model
 from diloco_eqx.training.config_files import config_flags, config_path, read_config
 from diloco_eqx.training.tokenizer import parse_spec
 
-GROUPS = {"diloco": "algorithm (the knobs of ALGORITHM.md)", "model": "model",
+GROUPS = {"diloco": "algorithm (the knobs of docs/algorithm.md)", "model": "model",
           "optim": "inner optimizer (AdamW, warmup + cosine decay)", "data": "data"}
 MULTIPROCESS = ("coordinator", "num_processes", "process_id", "heartbeat_timeout")
 

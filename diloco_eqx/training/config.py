@@ -98,8 +98,8 @@ class RunConfig:
         metadata={"fields": DILOCO_FLAGS})
     model_factory: str = dataclasses.field(default=DEFAULT_MODEL, metadata={
         "flag": "model", "group": "model", "metavar": "PACKAGE.MODULE:FACTORY"})
-    """The model: a function factory(config, key) -> (model, loss_fn) given the model
-    settings below (the factory's own config dataclass, or a TransformerConfig, with the
+    """The model: a function factory(config, key) -> (model, loss_fn), given the model's
+    settings (the factory's own config dataclass, or a TransformerConfig, with the
     tokenizer's vocabulary and --seq-len); the default is the built-in transformer."""
     model: Any = dataclasses.field(default_factory=lambda: TransformerConfig(width=128))
     """The model's settings: an instance of the config dataclass the model factory takes."""
@@ -136,8 +136,8 @@ class RunConfig:
     """Show a progress bar."""
     keep_host_memory: bool = True
     """On the CPU, keep host memory that XLA frees for its next call (glibc only, set when
-    the run starts JAX; see diloco_eqx/host_memory.py): otherwise each step faults its
-    temporaries in afresh, and steps took 6-18% longer on a 2-core machine. Off: the process
+    the run starts JAX; see diloco_eqx/training/host_memory.py): otherwise each step faults
+    its temporaries in afresh, which slows CPU steps (docs/performance.md). Off: the process
     returns large freed blocks to the system, as glibc does by default."""
     tracker: tuple[str, ...] = dataclasses.field(default=("jsonl",), metadata={"choices": registered_trackers()})
     """Where metrics go, one or more of: jsonl (metrics.jsonl, always written), tensorboard

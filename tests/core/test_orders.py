@@ -1,4 +1,4 @@
-"""Fragment orders: ALGORITHM.md's definitions, registration, and validation of user orders."""
+"""Fragment orders: docs/algorithm.md's definitions, registration, and validation of user orders."""
 
 import pytest
 

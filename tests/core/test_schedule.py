@@ -1,12 +1,13 @@
-"""Schedule: ALGORITHM.md's worked table, and properties over random H, P, V."""
+"""Schedule: docs/algorithm.md's worked table, and properties over random H, P, V."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import diloco_eqx as dl
 
-# ALGORITHM.md, P=4, H=12 (Δh=3, H_eff=12), V=1: t -> (sync fragment, apply fragment).
+# docs/algorithm.md, P=4, H=12 (Δh=3, H_eff=12), V=1: t -> (sync fragment, apply fragment).
 WORKED = {3: (1, None), 4: (None, 1), 6: (2, None), 7: (None, 2), 9: (3, None),
           10: (None, 3), 12: (0, None), 13: (None, 0)}
 
@@ -35,17 +36,21 @@ def test_vanilla_is_one_fragment_every_h():
 
 
 def test_traced_forms_agree():
+    """is_sync, is_apply and fragment_at on a traced step, as the compiled step calls them,
+    agree with the Python forms."""
+    import jax
     import jax.numpy as jnp
 
     s = dl.Schedule(sync_period=10, num_fragments=3, overlap_steps=2)
+    traced = jax.jit(jax.vmap(lambda t: (s.is_sync(t), s.is_apply(t), s.fragment_at(t), s.fragment_at(t - 2))))
+    syncs, applies, synced, applied = map(np.asarray, traced(jnp.arange(40, dtype=jnp.int32)))
     for t in range(0, 40):
-        ta = jnp.asarray(t, jnp.int32)
-        assert bool(s.is_sync_traced(ta)) == (s.sync_fragment(t) is not None)
-        assert bool(s.is_apply_traced(ta)) == (s.apply_fragment(t) is not None)
+        assert bool(syncs[t]) == (s.sync_fragment(t) is not None)
+        assert bool(applies[t]) == (s.apply_fragment(t) is not None)
         if s.sync_fragment(t) is not None:
-            assert int(s.fragment_at_traced(ta)) == s.sync_fragment(t)
+            assert int(synced[t]) == s.sync_fragment(t)
         if s.apply_fragment(t) is not None:
-            assert int(s.fragment_at_traced(ta - 2)) == s.apply_fragment(t)
+            assert int(applied[t]) == s.apply_fragment(t)
 
 
 @st.composite

@@ -1,10 +1,10 @@
-"""tools/schedule_table.py prints ALGORITHM.md's worked table."""
+"""tools/schedule_table.py prints docs/algorithm.md's worked table."""
 
 import pytest
 
 from tools import schedule_table
 
-# ALGORITHM.md, P=4, H=12, V=1.
+# docs/algorithm.md, P=4, H=12, V=1.
 EXPECTED = {"1-2": ("—", "—"), "3": ("1", "—"), "4": ("—", "1"), "5": ("—", "—"),
             "6": ("2", "—"), "7": ("—", "2"), "8": ("—", "—"), "9": ("3", "—"),
             "10": ("—", "3"), "11": ("—", "—"), "12": ("0", "—"), "13": ("—", "0")}
