@@ -22,7 +22,7 @@ import diloco_eqx as dl
 from diloco_eqx.training import data
 from diloco_eqx.training.config import RunConfig
 from diloco_eqx.training.runner import inner_optimizer
-from diloco_eqx.models.transformer import Transformer, TransformerConfig, loss_fn
+from models.transformer import Transformer, TransformerConfig, loss_fn
 
 K, BAD, STEPS, SEQ, ROWS = 4, 2, 1000, 32, 4  # islands, the failing one, steps, seq_len, rows/island
 POISONED = tuple(range(25, STEPS, 50))
@@ -55,19 +55,19 @@ def float_leaves(tree, k):
     return [np.asarray(x[k]) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
 
 
-def run(step, batches, held_out):
+def run(algo, batches, held_out):
     """Trains from seed 0 on `batches`: (metrics rows, held-out loss of the outer model,
     every island's AdamW moments after each step that reset an island)."""
     model = Transformer(TransformerConfig(num_layers=2, width=32, num_heads=2, seq_len=SEQ),
                         jax.random.key(0))
-    state = dl.init_state(model, step.plan.inner_optimizer, step.plan.cfg, step.plan.mesh)
+    state = algo.init(model)
     rows, after_reset = [], {}
     for batch in batches:
-        state, m = step(state, batch)
+        state, m = algo.step(state, batch)
         rows.append(dict(m))
         if m.get("islands_reset"):
             after_reset[m["step"]] = [float_leaves(state.inner_opt_state, k) for k in range(K)]
-    outer = step.outer_model(state)
+    outer = algo.outer_model(state)
     eval_loss = eqx.filter_jit(loss_fn)
     return rows, float(np.mean([eval_loss(outer, b) for b in held_out])), after_reset
 
@@ -90,10 +90,10 @@ CONFIGS = {
 def test_failing_island_is_reset_rejoins_and_costs_under_1_percent(name):
     cfg = CONFIGS[name]
     inner, _ = inner_optimizer(RunConfig(steps=STEPS))  # the run's AdamW, warmup and cosine
-    step = dl.make_train_step(cfg, sentinel_loss, inner, dl.make_mesh(K))  # compiled once
+    algo = dl.DiLoCo(cfg, sentinel_loss, inner, mesh=dl.make_mesh(K))  # compiled once
     clean_batches, held_out = corpus_batches()
-    rows, loss, after_reset = run(step, poison(clean_batches), held_out)
-    _, clean_loss, clean_resets = run(step, clean_batches, held_out)
+    rows, loss, after_reset = run(algo, poison(clean_batches), held_out)
+    _, clean_loss, clean_resets = run(algo, clean_batches, held_out)
     resets = expected_resets(cfg.schedule)
     sick = {t for p, r in resets.items() for t in range(p, r + 1)}  # island 2 non-finite
     assert len(rows) == STEPS and not clean_resets
@@ -110,7 +110,7 @@ def test_failing_island_is_reset_rejoins_and_costs_under_1_percent(name):
         assert all(np.all(x == 0) for x in moments[BAD])
         assert all(not all(np.all(x == 0) for x in moments[k]) for k in range(K) if k != BAD)
     # island 2 is left out of the syncs while non-finite, in all of them otherwise
-    delay = int(step.deferred)  # V=1: a sync's diagnostics arrive with the next step
+    delay = int(algo.plan.deferred)  # V=1: a sync's diagnostics arrive with the next step
     contributed = {m["step"] - delay: m["islands_contributed"] for m in rows if "islands_contributed" in m}
     assert contributed == {t: K - (t in sick) for t in contributed}
     assert len(contributed) == sum(cfg.schedule.is_sync(t) for t in range(1, STEPS + 1 - delay))

@@ -10,7 +10,7 @@ import pytest
 
 import diloco_eqx as dl
 from diloco_eqx.training import data
-from diloco_eqx.models.transformer import Transformer, TransformerConfig, loss_fn
+from models.transformer import Transformer, TransformerConfig, loss_fn
 
 
 @pytest.mark.slow  # end to end: 300 steps of a real model
@@ -23,11 +23,11 @@ def test_streaming_diloco_learns_the_markov_stream():
     train_ids, _ = corpus.split()
     batches = iter(data.train_batches(corpus, train_ids, seq_len=64, global_batch=16,
                                       num_islands=2, seed=0))
-    state = dl.init_state(Transformer(model_cfg, jax.random.key(0)), inner, cfg)
-    step = dl.make_train_step(cfg, loss_fn, inner)
+    algo = dl.DiLoCo(cfg, loss_fn, inner)
+    state = algo.init(Transformer(model_cfg, jax.random.key(0)))
     history = []
     for _ in range(150):
-        state, m = step(state, next(batches))
+        state, m = algo.step(state, next(batches))
         history.append(dict(m))
     for i in range(2):
         start = history[0][f"loss_island_{i}"]
