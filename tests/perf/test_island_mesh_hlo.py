@@ -30,7 +30,7 @@ def compiled_transformer_step(mesh_name: str, config: str | None, width: int = 3
     training's (config None) or DiLoCo's with CONFIGS[config] at H = 6. Cached: the HLO tests
     below read the same few programs (and run on one worker, so compile each once)."""
     from diloco_eqx.analysis.plain import make_plain_step
-    from models.transformer import Transformer, TransformerConfig, loss_fn
+    from diloco_eqx.models.transformer import Transformer, TransformerConfig, loss_fn
 
     model = Transformer(TransformerConfig(num_layers=2, width=width, num_heads=2, seq_len=16), jax.random.key(0))
     mesh, inner, batch = dl.make_mesh(**MESHES[mesh_name]), optax.adamw(1e-3), np.zeros((8, 17), np.int32)
@@ -73,7 +73,7 @@ def test_memory_per_device(mesh_name):
     the islands' state is plain training's, byte for byte; DiLoCo adds the outer model and
     its trace, split over the island's n·m devices (2·|Θ|·4/(n·m)); no extra temporaries."""
     from diloco_eqx.analysis import profiling
-    from models.transformer import count_params
+    from diloco_eqx.models.transformer import count_params
 
     # width 64: a model whose temporaries dwarf the step's fixed few KB of scalars and flags
     model, mesh, plain_step = compiled_transformer_step(mesh_name, None, 64)

@@ -22,7 +22,7 @@ import diloco_eqx as dl
 from diloco_eqx.training import data
 from diloco_eqx.training.config import RunConfig
 from diloco_eqx.training.runner import inner_optimizer
-from models.transformer import Transformer, TransformerConfig, loss_fn
+from diloco_eqx.models.transformer import Transformer, TransformerConfig, loss_fn
 
 K, BAD, STEPS, SEQ, ROWS = 4, 2, 1000, 32, 4  # islands, the failing one, steps, seq_len, rows/island
 POISONED = tuple(range(25, STEPS, 50))

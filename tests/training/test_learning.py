@@ -10,7 +10,7 @@ import pytest
 
 import diloco_eqx as dl
 from diloco_eqx.training import data
-from models.transformer import Transformer, TransformerConfig, loss_fn
+from diloco_eqx.models.transformer import Transformer, TransformerConfig, loss_fn
 
 
 @pytest.mark.slow  # end to end: 300 steps of a real model
