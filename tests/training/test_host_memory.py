@@ -9,12 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from diloco_eqx import host_memory
+from diloco_eqx.training import host_memory
 from tests.helpers import subprocess_env
 
 SCRIPT = r"""
 import json, resource, sys, time
-from diloco_eqx import host_memory
+from diloco_eqx.training import host_memory
 if sys.argv[1] == "keep":
     assert host_memory.keep_freed_memory()  # before JAX starts, as a training run does
 import jax, jax.numpy as jnp
