@@ -199,7 +199,7 @@ def defaults_for_model(spec: str, default: RunConfig | None = None) -> RunConfig
     (the RunConfig's own model settings where the factory takes the same dataclass)."""
     default = RunConfig() if default is None else default
     cls = model_config_class(spec)
-    model = default.model if type(default.model) is cls else cls()
+    model = next((m for m in (default.model, RunConfig().model) if type(m) is cls), None) or cls()
     return dataclasses.replace(default, model_factory=spec, model=model)
 
 

@@ -11,7 +11,7 @@ import pytest
 from diloco_eqx.models.io import load_model, model_config_class, save_model
 from diloco_eqx.models.transformer import TransformerConfig
 from diloco_eqx.training import cli
-from diloco_eqx.training.config import RunConfig
+from diloco_eqx.training.config import RunConfig, defaults_for_model
 from models.conv import ConvConfig, build
 
 DATA = ["--corpus", "markov", "num_bytes=200000", "doc_bytes=20000", "--seq-len", "16",
@@ -72,6 +72,12 @@ def test_the_built_in_transformer_keeps_its_flags(tmp_path):
     cfg = cli.parse_settings(["--layers", "3", "--heads", "2", "--out", str(tmp_path / "a")])
     assert cfg.model == dataclasses.replace(RunConfig().model, num_layers=3, num_heads=2)
     assert model_config_class("diloco_eqx.models.transformer:build") is TransformerConfig
+    # a parser made for another model gives the transformer its usual defaults back
+    conv = defaults_for_model("models.conv:build")
+    parser = cli.build_parser("t", default=conv)
+    cfg = cli.parse_run_config(["--model", "diloco_eqx.models.transformer:build", "--out", str(tmp_path / "b")],
+                               parser)
+    assert cfg.model == RunConfig().model and cfg == RunConfig(out=str(tmp_path / "b"))
 
 
 FACTORIES = '''
