@@ -1,5 +1,6 @@
 """The deferred exchange's stash: sized to the largest fragment, an exact round trip for every
-fragment, and packed without communication on an island mesh."""
+fragment, and a fragment packed block by block is the fragment packed whole (packed without
+communication on an island mesh: tests/perf/test_stash_hlo.py)."""
 
 import equinox as eqx
 import jax
@@ -7,15 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import diloco_eqx as dl
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import stash as stash_lib
-from diloco_eqx.analysis import comms
 from diloco_eqx.fragments import Blocks
-from diloco_eqx.models.transformer import Transformer, TransformerConfig
+from diloco_eqx.models.transformer import Transformer, TransformerConfig, loss_fn
 
 CFG = dl.DiLoCoConfig(num_replicas=2, sync_period=9, streaming=True, num_fragments=3, overlap_steps=1)
 
@@ -38,7 +37,7 @@ def fragment_sizes(model):
 def test_row_is_the_largest_fragment_and_the_state_holds_one_per_island(model):
     frags, sizes = fragment_sizes(model)
     assert len(set(sizes)) > 1  # fragment 0 (embeddings, head) differs from the layer groups
-    state = dl.init_state(model, optax.sgd(0.1), CFG)
+    state = dl.DiLoCo(CFG, loss_fn, optax.sgd(0.1)).init(model)
     assert state.pending.shape == (2, 1, 1, max(sizes))
     assert state.pending.dtype == jnp.float32
     mesh = dl.make_mesh(diloco=2, data=2, fsdp=2)
@@ -65,29 +64,6 @@ def test_every_fragment_round_trips_exactly(model, layout):
         used = sum(stash._piece_size(x) for x in jax.tree.leaves(part))
         np.testing.assert_array_equal(np.asarray(row)[..., used:], np.asarray(old)[..., used:])
         assert not np.any(np.asarray(stash.pack(part))[..., used:])
-
-
-def test_packing_and_unpacking_on_an_island_mesh_move_nothing_between_devices(model):
-    """Leaves laid out like the outer model go to their device's own row and back: the
-    compiled round trip has no collective."""
-    frags, _ = fragment_sizes(model)
-    mesh = dl.make_mesh(diloco=2, data=2, fsdp=2)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    stash = stash_lib.for_model(params, frags, mesh)
-    specs = mesh_lib.default_outer_specs(mesh)
-    part = frags.take(params, 1)
-    layout = jax.tree.map(lambda x: NamedSharding(mesh, mesh_lib.canonical(specs(x), mesh)), part)
-    row_layout = NamedSharding(mesh, mesh_lib.canonical(P(*stash_lib.GRID), mesh))
-    part = jax.device_put(part, layout)
-
-    @jax.jit
-    def round_trip(tree):
-        row = jax.lax.with_sharding_constraint(stash.pack(tree), row_layout)
-        return jax.lax.with_sharding_constraint(stash.unpack(row, tree), layout)
-
-    hlo = round_trip.lower(part).compile().as_text()
-    assert comms.collectives(hlo) == []
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), round_trip(part), part)
 
 
 def layers_split(leaf):
