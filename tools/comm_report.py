@@ -1,4 +1,4 @@
-"""What crosses the diloco axis, measured from the compiled step and set beside ALGORITHM.md's formulas.
+"""What crosses the diloco axis, measured from the compiled step and set beside the formulas of docs/algorithm.md.
 
     python -m tools.comm_report                                  # Streaming, P=3, the default model
     python -m tools.comm_report --no-streaming --compression bf16 --json comm.json
@@ -11,8 +11,8 @@ and every collective in the compiled HLO is attributed to the fragment whose syn
 "payload" is what one island contributes to a sync (the operand of an all-reduce, its share
 of an all-gather), summed over the island's devices; "per device" is one device's share
 (1/m of it with fsdp = m, since each device holds 1/m of the fragment); "ring" is what an
-island sends with the bandwidth-optimal ring algorithm at this D; ALGORITHM.md's 2·|Θ_f|·b
-is the ring figure for large D.
+island sends with the bandwidth-optimal ring algorithm at this D; the formula 2·|Θ_f|·b
+(docs/algorithm.md) is the ring figure for large D.
 """
 
 from __future__ import annotations
@@ -214,21 +214,20 @@ def _step_hlo(cfg, layers, width, heads, seq_len, global_batch, devices, data, f
     from diloco_eqx.models.transformer import loss_fn
 
     model, mesh, inner = _model(layers, width, heads, seq_len), _mesh(devices, data, fsdp), optax.adamw(1e-3)
-    state = dl.init_state(model, inner, cfg, mesh)
-    step = dl.make_train_step(cfg, loss_fn, inner, mesh, backend=backend)
-    return step.lower(state, _batch(seq_len, global_batch)).compile().as_text()
+    algo = dl.DiLoCo(cfg, loss_fn, inner, mesh=mesh, backend=backend)
+    return algo.lower(algo.init(model), _batch(seq_len, global_batch)).compile().as_text()
 
 
 @functools.cache
 def _ddp_hlo(k, layers, width, heads, seq_len, global_batch, devices, data, fsdp) -> str:
     import optax
 
-    from diloco_eqx.ddp import init_ddp_state, make_ddp_step
+    import diloco_eqx as dl
     from diloco_eqx.models.transformer import loss_fn
 
     model, mesh, inner = _model(layers, width, heads, seq_len), _mesh(devices, data, fsdp), optax.adamw(1e-3)
-    step = make_ddp_step(k, loss_fn, inner, mesh)
-    return step.lower(init_ddp_state(model, inner, mesh), _batch(seq_len, global_batch)).compile().as_text()
+    ddp = dl.DDP(k, loss_fn, inner, mesh=mesh)
+    return ddp.lower(ddp.init(model), _batch(seq_len, global_batch)).compile().as_text()
 
 
 def format_report(r: dict) -> str:
@@ -273,7 +272,7 @@ def format_report(r: dict) -> str:
     h = c["sync_period"]
     lines += [
         "",
-        "bytes per island (measured payload | ALGORITHM.md formula with float32 b=4, this run's b for streaming):",
+        "bytes per island (measured payload | the formula with float32 b=4, this run's b for streaming):",
         f"{'':>22} {'per step (amortized)':>22} {'peak burst':>14} {'formula/step':>14} {'formula burst':>14}",
         f"{'DDP':>22} {ddp:>22,.0f} {ddp:>14,} {2 * n4:>14,.0f} {2 * n4:>14,}",
         f"{'vanilla DiLoCo, H=' + str(h):>22} {van / h:>22,.1f} {van:>14,} {2 * n4 / h:>14,.1f} {2 * n4:>14,}",

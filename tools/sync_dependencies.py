@@ -5,9 +5,9 @@ critical path of the step that runs it.
     python -m tools.sync_dependencies --overlap-steps 1 --direct # the direct form, for contrast
     python -m tools.sync_dependencies --no-streaming
 
-The deferred exchange is traced as it is built for an accelerator, free to run under the inner
-step; `--exchange-after-inner` traces it waiting for the inner step, as it is built by default
-without a mesh and on XLA:CPU with islands of one device (`diloco_eqx.step.exchange_waits_by_default`).
+The step is traced on a mesh of D simulated devices, where the deferred exchange is free to
+run under the inner step; `--exchange-after-inner` traces it waiting for the inner step, as it
+is built without a mesh.
 
 For every cross-island collective in the traced step: its primitive, its scope, and how
 many equations of the same step's inner step (forward, backward, AdamW) it depends on;
@@ -30,8 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direct", action="store_true",
                    help="force the direct form (exchange inside the sync step) even for V >= 1")
     p.add_argument("--exchange-after-inner", action="store_true",
-                   help="the deferred exchange waiting for the inner step, as built by default without a "
-                        "mesh and on XLA:CPU with islands of one device")
+                   help="the deferred exchange waiting for the inner step, as built without a mesh")
     return p
 
 
@@ -43,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import diloco_eqx as dl
     from diloco_eqx.analysis import critical_path
+    from diloco_eqx.diloco import with_plan
     from diloco_eqx.models.transformer import loss_fn
     from tools.comm_report import _mesh, _model, config_from
 
@@ -51,15 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from(args)
         mesh = _mesh(d, args.data_parallel, args.fsdp)
-        step = dl.make_train_step(cfg, loss_fn, inner, mesh, deferred=False if args.direct else None,
-                                  backend=args.backend, exchange_after_inner=args.exchange_after_inner)
+        algo = dl.DiLoCo(cfg, loss_fn, inner, mesh=mesh, backend=args.backend)
+        if args.direct:
+            algo = with_plan(algo, deferred=False, exchange_after_inner=False)
+        elif args.exchange_after_inner:
+            algo = with_plan(algo, exchange_after_inner=True)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state = dl.init_state(model, inner, cfg, mesh)
     batch = np.zeros((args.global_batch or 2 * args.num_replicas, args.seq_len + 1), np.int32)
-    a = critical_path.analyze(step.jaxpr(state, batch))
-    form = "deferred exchange" if step.deferred else "direct form"
+    a = critical_path.analyze(algo.jaxpr(algo.init(model), batch))
+    form = "deferred exchange" if algo.plan.deferred else "direct form"
     inner_ids = a.in_scope(critical_path.INNER_SCOPE)
     print(f"{form}: {len(a.nodes)} equations, {len(inner_ids)} in the inner step, "
           f"{len(a.collectives())} cross-island collectives")
