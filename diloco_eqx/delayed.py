@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -38,9 +37,6 @@ from diloco_eqx.exchange import all_finite_islands, no_report
 from diloco_eqx.plan import Plan, StepReport, params
 from diloco_eqx.schedule import Schedule, Step
 from diloco_eqx.sync import SyncMetrics
-
-if TYPE_CHECKING:
-    from diloco_eqx.state import DiLoCoState
 
 
 class IslandOuter(eqx.Module):
@@ -156,16 +152,16 @@ def delayed_sync_stage(plan: Plan, t, inner, island_outer):
                 pin=lambda out: (plan.pin_islands(out[0]), *out[1:]))
 
 
-def consensus(plan: Plan, s: DiLoCoState) -> PyTree:
+def consensus(plan: Plan, s: eqx.Module) -> PyTree:
     """The model a delayed run evaluates: the mean of the islands' outer copies."""
     mean = sync.cast_like(plan.islands.mean(s.island_outer.params), params(s.outer))
     return eqx.combine(mean, eqx.filter(s.outer, eqx.is_inexact_array, inverse=True))
 
 
-def delayed_step(plan: Plan, s: DiLoCoState, t, inner, inner_opt, losses) -> tuple[DiLoCoState, StepReport]:
-    """After the inner step, with delayed outer updates (V = 0): each island's outer step on
-    its own copy, then the apply from that copy, which takes the sync's finding of which
-    islands are finite."""
+def delayed_step(plan: Plan, s: eqx.Module, t, inner, inner_opt, losses) -> tuple[eqx.Module, StepReport]:
+    """After the inner step of `s` (a DiLoCoState), with delayed outer updates (V = 0): each
+    island's outer step on its own copy, then the apply from that copy, which takes the
+    sync's finding of which islands are finite."""
     def events(c):
         inner, inner_opt, island_outer, _, _ = c
         with jax.named_scope("diloco_sync"):

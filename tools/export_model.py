@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     loss = mean_loss(eqx.filter_jit(saved.job.loss_fn), saved.model, saved.job.held_out)
     config = model_config(args.run)
     extra = {"run": str(Path(args.run).resolve()), "step": saved.step, "mode": saved.cfg.mode,
-             "tokenizer": saved.cfg.data.tokenizer, "eval_loss": loss}
+             "tokenizer": saved.cfg.data.tokenizer, "seq_len": saved.cfg.data.seq_len, "eval_loss": loss}
     save_model(out, saved.model, saved.cfg.model_factory, config, extra)
     if (Path(args.run) / "tokenizer.json").exists():
         shutil.copy(Path(args.run) / "tokenizer.json", out / "tokenizer.json")

@@ -11,6 +11,7 @@ its BPE's tokenizer.json); the prompt and the generated text are printed to stdo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -37,10 +38,12 @@ def load(run: Path, step: int | None):
 
         model, _, config = load_model(run)
         tokens = tok.load(run / "tokenizer.json") if (run / "tokenizer.json").is_file() else tok.from_spec("bytes")
-        return model, tokens, config.seq_len
-    from diloco_eqx.training.saved_runs import load_outer_model, model_config
+        context = json.loads((run / "model.json").read_text()).get("seq_len", getattr(config, "seq_len", None))
+        return model, tokens, context
+    from diloco_eqx.training.saved_runs import load_outer_model
 
-    return load_outer_model(run, step).model, tok.for_run(run), model_config(run).seq_len
+    saved = load_outer_model(run, step)
+    return saved.model, tok.for_run(run), saved.cfg.data.seq_len
 
 
 def main(argv=None) -> int:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 
+from diloco_eqx.models.io import model_config_class
 from diloco_eqx.training.checkpoint import Checkpointer
 from diloco_eqx.training.cli import build_parser, parse_run_config
 from diloco_eqx.training.config import RunConfig
 from diloco_eqx.training.loop import read_jsonl
-from diloco_eqx.models.transformer import TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +63,13 @@ def load_outer_model(run_dir: str | Path, step: int | None = None) -> SavedModel
     return SavedModel(cfg, step, model, job)
 
 
-def model_config(run_dir: str | Path) -> TransformerConfig:
-    """The model settings the run built its model from (run.json's "model")."""
+def model_config(run_dir: str | Path) -> Any:
+    """The model settings the run built its model from (run.json's "model"), as the config
+    dataclass its model factory takes."""
+    cfg = run_settings(run_dir)
     built = json.loads((Path(run_dir) / "run.json").read_text())["model"]
-    return TransformerConfig(**{f.name: built[f.name] for f in dataclasses.fields(TransformerConfig)})
+    cls = model_config_class(cfg.model_factory)
+    return cls(**{f.name: built[f.name] for f in dataclasses.fields(cls) if f.name in built})
 
 
 def recorded_eval_loss(run_dir: str | Path, step: int) -> float | None:
