@@ -1,7 +1,7 @@
-"""tools/benchmark.py --quick writes a complete JSON and compiles each step once (slow).
-
-It runs in a subprocess with XLA's normal optimization (the test suite's quick-compile
-mode would make the timed steps meaninglessly slow)."""
+"""tools.benchmark: its flag checks and summaries on hand-made times, and (slow) each section
+run on the 1M model, its JSON checked against the formulas it reports against and the
+invariants of paired statistics. Runs go through a subprocess with XLA's normal optimization
+(the test suite's quick-compile mode would make the timed steps meaninglessly slow)."""
 
 import functools
 import json
@@ -49,6 +49,11 @@ def check_quick_json(result: dict) -> None:
     assert low["expected_extra_bytes"] == 2 * low["params"] * 4
     assert set(mem["modes"]) == {f"{m}{b}" for m in ("vanilla", "streaming", "streaming_deferred")
                                  for b in ("", "_drjax")}
+    size = result["sizes"]["1M/none"]  # model FLOPs by hand: 6·|Θ| + 12·layers·width·seq_len a token
+    n, plain = size["params"], next(r["median_s"] for r in result["rows"] if (r["mode"], r["phase"]) == ("plain", "step"))
+    assert size["model_flops_per_step"] == 16 * 128 * (6 * n + 12 * 4 * 128 * 128)
+    assert size["model_flops_utilisation"] == pytest.approx(size["model_flops_per_step"] / plain
+                                                             / size["matmul_flops_per_s"])
     cost = result["sync_cost"]["1M"]  # measured against the floor of the bytes a sync touches
     assert cost["floor_s"] > 0 and cost["floor_bytes"] == 2 * (2 + 2) * cost["params"] * 4
     assert cost["vanilla_extra_over_floor"] == pytest.approx(cost["vanilla_sync_extra_s"] / cost["floor_s"])
@@ -176,10 +181,10 @@ def test_the_step_tables_phases_end_on_their_events():
     and against the schedule: a Streaming sync of every fragment once, each apply one step
     after its sync, the vanilla sync at H, and no event at all on the non-sync steps."""
     import diloco_eqx as dl
-    from tools.benchmark import _phase_jobs
+    from tools.bench.table import phase_jobs
 
     vanilla, streaming = dl.Schedule(100), dl.Schedule(100, 5, 1)
-    jobs = _phase_jobs(vanilla, streaming, ("shard_map", "drjax"), 5)
+    jobs = phase_jobs(vanilla, streaming, ("shard_map", "drjax"), 5)
     assert jobs[("plain", "step")] == jobs[("ddp", "step")] == [None]
     for suffix in ("", "_drjax"):
         syncs, applies = jobs[(f"streaming{suffix}", "sync")], jobs[(f"streaming{suffix}", "apply")]
@@ -242,7 +247,7 @@ def test_every_result_in_benchmarks_has_its_command_in_the_readme():
 def test_cycle_ratio_pairs_each_cycle_of_p_consecutive_repetitions(streaming, want):
     """A cycle of P Streaming syncs over one vanilla sync, one ratio per P consecutive
     repetitions (hand-worked above), and its verdict on 1/P = 0.5."""
-    from tools.benchmark import cycle_ratio
+    from tools.bench.sync_summary import cycle_ratio
 
     got = cycle_ratio(streaming, [4.0] * len(streaming), 2)
     assert (got["mean"], got["low"], got["high"]) == pytest.approx(want[:3], abs=2e-6)
@@ -258,13 +263,13 @@ def test_delayed_syncs_are_paired_with_v0_on_the_layer_fragments():
 
     import diloco_eqx as dl
     from tests.reference import make_toy
-    from tools.benchmark import _delayed_syncs
+    from tools.bench.sync_summary import delayed_syncs
 
     cfg = dl.DiLoCoConfig(num_replicas=2, sync_period=6, streaming=True, num_fragments=3, delayed_outer="naive")
     ms = lambda *xs: [x / 1e3 for x in xs]  # noqa: E731
     times = {("delayed", 5): ms(*[1] * 6), ("delayed", "sync"): ms(5, 7, 2, 6, 8, 3),
              ("streaming_v0", 5): ms(*[2] * 6), ("streaming_v0", "sync"): ms(4, 5, 3, 4, 5, 3)}
-    got = _delayed_syncs(times, [1, 2, 0, 1, 2, 0], make_toy(4, 3), dataclasses.replace(cfg), vanilla_extra=0.01)
+    got = delayed_syncs(times, [1, 2, 0, 1, 2, 0], make_toy(4, 3), dataclasses.replace(cfg), vanilla_extra=0.01)
     assert got["delayed_outer"] == "naive"
     per = got["per_fragment"]
     assert [p["layers"] for p in per] == [[], [0, 2], [1, 3]] and [p["reps"] for p in per] == [2, 2, 2]
@@ -285,7 +290,7 @@ def test_sync_cost_only_json_with_the_sequential_order(tmp_path):
     `--delayed-outer eager` times V = 0 with eager delayed outer updates beside V = 0."""
     import numpy as np
 
-    from tools.benchmark import _format_sync_cost
+    from tools.bench.report import format_sync_cost
 
     result = benchmark_json(tmp_path, "--sync-cost-only", "--sizes", "1M", "--reps", "6",
                             "--fragment-order", "sequential", "--num-fragments", "3",
@@ -306,7 +311,7 @@ def test_sync_cost_only_json_with_the_sequential_order(tmp_path):
     assert delayed["delayed_outer"] == "eager"
     assert [p["layers"] for p in delayed["per_fragment"]] == [[], [0, 1], [2, 3]]
     assert delayed["layer_sync_minus_v0_s"]["n"] == 4 and delayed["layer_sync_over_v0"] > 0
-    text = "\n".join(_format_sync_cost(result["sync_cost"]))
+    text = "\n".join(format_sync_cost(result["sync_cost"]))
     assert "sequential order; stash" in text and "interleaved order in the same repetitions" in text
     assert "delayed_outer='eager'" in text
     assert np.isfinite(compared["streaming_cycle_over_vanilla"])
@@ -326,7 +331,8 @@ def test_nonsync_json(tmp_path):
 def test_a_nonsync_run_saves_the_json_as_each_phase_ends(tmp_path, monkeypatch):
     """The timings are in the JSON once measured, then the events beside them; a later phase
     that fails (a trace that crashes the process) leaves both, and never half a file."""
-    from tools import benchmark as B
+    from tools.bench import common
+    from tools.bench import nonsync as N
 
     path, seen = tmp_path / "n.json", []
 
@@ -336,10 +342,10 @@ def test_a_nonsync_run_saves_the_json_as_each_phase_ends(tmp_path, monkeypatch):
             seen.append(json.loads(path.read_text()))
         raise RuntimeError("the trace crashed")
 
-    monkeypatch.setattr(B, "nonsync", phases)
-    monkeypatch.setattr(B, "_model", lambda size, dtype: None)
+    monkeypatch.setattr(N, "nonsync", phases)
+    monkeypatch.setattr(common, "model", lambda size, dtype: None)
     with pytest.raises(RuntimeError, match="the trace crashed"):
-        B.run_nonsync(B.SIZES[:1], 7, 100, 5, save=functools.partial(B._write_json, str(path)))
+        N.run_nonsync(common.SIZES[:1], 7, 100, 5, save=functools.partial(common.write_json, str(path)))
     assert [r["nonsync"] for r in seen] == [{"1M": {"modes": {"diloco": 1.004}}},
                                             {"1M": {"modes": {"diloco": 1.004}, "events": {"diloco": [0.0]}}}]
     assert seen[-1]["settings"]["reps"] == 7 and json.loads(path.read_text()) == seen[-1]
@@ -347,11 +353,11 @@ def test_a_nonsync_run_saves_the_json_as_each_phase_ends(tmp_path, monkeypatch):
 
 
 def test_the_event_check_is_printed_with_what_each_figure_should_be():
-    from tools import benchmark as B
+    from tools.bench.report import format_events
 
     e = {"ends": [99, 100, 101], "applied_at": 101, "fragment0_spread": [0.00801, 0.01, 0.0],
          "outer_fragment0_change": [0.0, 0.0, 0.00667], "outer_abs_sum": 11673.1}
-    assert B._format_events("1M", "streaming", e) == (
+    assert format_events("1M", "streaming", e) == (
         "1M events at t = 99..101, streaming: islands' largest difference over fragment 0 after each step "
         "0.00801, 0.01, 0 (expected 0 at the apply, t = 101, and only there); outer fragment 0's change in each "
         "step 0, 0, 0.00667 (expected above 0 at t = 101 and only there); outer Σ|θ| 11673.1")
@@ -360,24 +366,27 @@ def test_the_event_check_is_printed_with_what_each_figure_should_be():
 def test_a_failed_trace_is_recorded_not_raised(tmp_path):
     """A step that fails under the profiler gives {"trace_error": ...}: the timings and
     events measured before it stand."""
-    from tools import benchmark as B
+    from tools.bench.nonsync import NONSYNC_MODES, traced
+    from tools.bench.report import format_nonsync
 
     class Failing:
         def step_placed(self, state, batches):
             raise RuntimeError("CUPTI went away")
 
-    steps = {m: [None, Failing()] for m in B.NONSYNC_MODES}
-    got = B._traced(steps, dict.fromkeys(B.NONSYNC_MODES), str(tmp_path / "trace"))
+    steps = {m: [None, Failing()] for m in NONSYNC_MODES}
+    got = traced(steps, dict.fromkeys(NONSYNC_MODES), str(tmp_path / "trace"))
     assert got == {"trace_error": "RuntimeError: CUPTI went away"}
-    assert B.format_nonsync({"1M": {"reps": 2, "plain_s": 0.1, "modes": {}, **got}}).splitlines()[-1] == \
+    assert format_nonsync({"1M": {"reps": 2, "plain_s": 0.1, "modes": {}, **got}}).splitlines()[-1] == \
         "1M trace failed: RuntimeError: CUPTI went away"
 
 
 def check_orders_json(result: dict) -> None:
     """What a `--cpu-orders` JSON must hold: each order's extras are its own resident bytes
-    over its own plain step's, against the same formula as the quick JSON's modes."""
+    over its own plain step's, against the same formula as the quick JSON's modes; the two
+    workers' plain steps compiled to different memory (each order took effect)."""
     for size, c in result["cpu_orders"].items():
         assert set(c["modes"]) == {"memory", "concurrency"}
+        assert c["resident_bytes"]["memory"]["plain"] != c["resident_bytes"]["concurrency"]["plain"]
         for order, modes in c["modes"].items():
             plain = c["resident_bytes"][order]["plain"]
             for mode, m in modes.items():
