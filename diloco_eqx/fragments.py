@@ -227,7 +227,7 @@ def _is_none(x) -> bool:
 HOW_TO_STACK = (
     "build the layers as one stacked Module, e.g. `eqx.filter_vmap(make_layer)"
     "(jax.random.split(key, num_layers))`, and run them with `jax.lax.scan`; if the stack is "
-    "not in `model.layers`, pass layers=lambda m: m.<field> to init_state, make_train_step "
+    "not in `model.layers`, pass layers=lambda m: m.<field> to DiLoCo "
     "and Fragmentation.from_model"
 )
 
