@@ -34,15 +34,9 @@ def _outside(src_uri: str, link: str) -> str | None:
     if "://" in link or link.startswith("/"):
         return None
     target = (DOCS / posixpath.dirname(src_uri) / link).resolve()
-    try:
-        target.relative_to(DOCS)
+    if target.is_relative_to(DOCS) or not target.is_relative_to(ROOT) or not target.exists():
         return None
-    except ValueError:
-        pass
-    try:
-        return target.relative_to(ROOT).as_posix() if target.exists() else None
-    except ValueError:
-        return None
+    return target.relative_to(ROOT).as_posix()
 
 
 def on_files(files, config):
