@@ -20,9 +20,16 @@ from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-if str(ROOT) not in sys.path:  # the repository's tools/ are not installed
-    sys.path.insert(0, str(ROOT))
 
+
+def _importable() -> None:
+    """The repository's own folders (tools/, the example models/) are not installed: put the
+    checkout on the path (mkdocs loads hooks with its own path, and restores it after)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+_importable()
 from tools import knobs  # noqa: E402
 
 PICTURE = re.compile(r"(!\[[^\]]*\]\()([^)\s]+\.(?:png|svg|jpg|jpeg|gif))(\))")
@@ -51,6 +58,7 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    _importable()
     src = page.file.src_uri
 
     def relink(m: re.Match) -> str:
