@@ -36,20 +36,8 @@ from diloco_eqx.events import after_inner, when, written_out
 from diloco_eqx.exchange import all_finite_islands, no_report
 from diloco_eqx.plan import Plan, StepReport, params
 from diloco_eqx.schedule import Schedule, Step
+from diloco_eqx.state import DiLoCoState, IslandOuter
 from diloco_eqx.sync import SyncMetrics
-
-
-class IslandOuter(eqx.Module):
-    """Each island's own outer model, outer optimizer states and in-flight exchanges; every
-    array leaf has a leading island axis."""
-
-    params: PyTree
-    """Each island's copy of the outer model's parameters (outer storage dtype)."""
-    opt_state: tuple[PyTree, ...]
-    """Each island's outer optimizer state, one per fragment."""
-    in_flight: tuple[PyTree, ...]
-    """d parameter-shaped trees (float32 or wider): slot j holds, for each fragment, u_k of
-    its latest round r with r mod d = j."""
 
 
 def slot(schedule: Schedule, delay: int, t: Step) -> Int[Array, ""]:
@@ -92,10 +80,10 @@ def in_flight_part(mode: str, mean: PyTree, fresh: PyTree, share: Float[Array, "
 
 def sync_fragment(plan: Plan, f: int, t, inner, island_outer: IslandOuter):
     """Round t of fragment f with the exchange in flight for `outer_delay` rounds: each island
-    steps its own outer copy on the rule of delayed.py, and keeps this round's mean for the
-    round it arrives in. The mean is taken now (the numbers); that it would cross the link
-    during the next rounds is what the mode models. Fragments are read as `Blocks` and
-    written block by block in place, as in `sync_fragment`."""
+    steps its own outer copy on the rule in this module's docstring, and keeps this round's
+    mean for the round it arrives in. The mean is taken now (the numbers); that it would cross
+    the link during the next rounds is what the mode models. Fragments are read as `Blocks`
+    and written block by block in place, as in `exchange.sync_fragment`."""
     frags, islands, cfg = plan.fragments, plan.islands, plan.cfg
     take, mode = partial(frags.take, blocks=True), cfg.delayed_outer
     with jax.named_scope(f"fragment_{f}"):
@@ -152,15 +140,15 @@ def delayed_sync_stage(plan: Plan, t, inner, island_outer):
                 pin=lambda out: (plan.pin_islands(out[0]), *out[1:]))
 
 
-def consensus(plan: Plan, s: eqx.Module) -> PyTree:
+def consensus(plan: Plan, s: DiLoCoState) -> PyTree:
     """The model a delayed run evaluates: the mean of the islands' outer copies."""
     mean = sync.cast_like(plan.islands.mean(s.island_outer.params), params(s.outer))
     return eqx.combine(mean, eqx.filter(s.outer, eqx.is_inexact_array, inverse=True))
 
 
-def delayed_step(plan: Plan, s: eqx.Module, t, inner, inner_opt, losses) -> tuple[eqx.Module, StepReport]:
-    """After the inner step of `s` (a DiLoCoState), with delayed outer updates (V = 0): each
-    island's outer step on its own copy, then the apply from that copy, which takes the
+def delayed_step(plan: Plan, s: DiLoCoState, t, inner, inner_opt, losses) -> tuple[DiLoCoState, StepReport]:
+    """After the inner step, with delayed outer updates (V = 0): each island's outer step on
+    its own copy, then the apply from that copy, which takes the
     sync's finding of which islands are finite."""
     def events(c):
         inner, inner_opt, island_outer, _, _ = c

@@ -4,6 +4,7 @@ the outer model."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -128,8 +129,6 @@ class DiLoCo:
 def with_plan(algo: DiLoCo, **changes) -> DiLoCo:
     """A copy of `algo` whose plan has `changes` (for tests and tools that compare forms of
     the step that compute the same numbers, e.g. `deferred=False` with V >= 1)."""
-    import dataclasses
-
     plan = dataclasses.replace(algo.plan, **changes)
     cfg = plan.cfg
     if plan.deferred and not (cfg.streaming and cfg.overlap_steps >= 1):

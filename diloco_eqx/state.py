@@ -17,9 +17,21 @@ from jaxtyping import Array, Int, PyTree
 from diloco_eqx import mesh as mesh_lib
 from diloco_eqx import stash as stash_lib
 from diloco_eqx.config import DiLoCoConfig
-from diloco_eqx.delayed import IslandOuter
 from diloco_eqx.fragments import Fragmentation
 from diloco_eqx.sync import to_outer_dtype, wide
+
+
+class IslandOuter(eqx.Module):
+    """With delayed outer updates (`delayed.py`): each island's own outer model, outer
+    optimizer states and in-flight exchanges; every array leaf has a leading island axis."""
+
+    params: PyTree
+    """Each island's copy of the outer model's parameters (outer storage dtype)."""
+    opt_state: tuple[PyTree, ...]
+    """Each island's outer optimizer state, one per fragment."""
+    in_flight: tuple[PyTree, ...]
+    """d parameter-shaped trees (float32 or wider): slot j holds, for each fragment, u_k of
+    its latest round r with r mod d = j."""
 
 
 class DiLoCoState(eqx.Module):

@@ -30,7 +30,6 @@ import html
 import importlib
 import re
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
