@@ -2,6 +2,7 @@
 
     python -m experiments.custom_fragment_order --out runs/orders            # 5 runs
     python -m experiments.custom_fragment_order --out runs/orders --quick
+    python -m experiments.custom_fragment_order --out experiments/results/orders --plot-only
 
 An order is a plain function `(num_layers, num_fragments) -> P-1 groups of layer indices`
 (group i-1 is fragment i; fragment 0 always holds the embeddings and head).
@@ -9,6 +10,10 @@ An order is a plain function `(num_layers, num_fragments) -> P-1 groups of layer
 "interleaved" and "sequential"; nothing in diloco_eqx/ changes. The core checks what an
 order returns (P-1 disjoint, non-empty groups covering every layer) and names the order
 in its error, as the `broken` example below shows.
+
+Plot (OUT/orders.png): one row per order, best first: which fragment holds each layer,
+beside the held-out loss the order ends at. OUT/orders.json has the losses and the groups;
+`--plot-only` redraws the plot from it without training.
 """
 
 from __future__ import annotations
@@ -57,12 +62,76 @@ def register() -> None:
         dl.register_order(name, fn, overwrite=True)
 
 
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    losses = result["eval_loss"]
+    names = sorted(losses, key=losses.get)
+    groups = result["groups"]
+    layers = 1 + max(i for g in groups.values() for grp in g for i in grp)
+    fragments = len(next(iter(groups.values())))
+    owner = np.zeros((len(names), layers), dtype=int)
+    for row, name in enumerate(names):
+        for f, grp in enumerate(groups[name], start=1):
+            owner[row, grp] = f
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 0.45 * len(names) + 1.6), sharey=True,
+                                      gridspec_kw={"width_ratios": [layers, 5]})
+    cmap = matplotlib.colors.ListedColormap([f"C{f}" for f in range(fragments)])
+    left.imshow(owner, cmap=cmap, vmin=0.5, vmax=fragments + 0.5, aspect="auto")
+    for (row, layer), f in np.ndenumerate(owner):
+        left.text(layer, row, str(f), ha="center", va="center", color="white", fontsize=9)
+    left.set_xticks(np.arange(layers + 1) - 0.5, minor=True)
+    left.set_yticks(np.arange(len(names) + 1) - 0.5, minor=True)
+    left.grid(which="minor", color="white", lw=2)
+    left.tick_params(which="minor", length=0)
+    left.set_xticks(range(layers))
+    left.set_yticks(range(len(names)), names)
+    left.set_xlabel("layer (cell: the fragment holding it;\nfragment 0 = embeddings and head)")
+    best = losses[names[0]]
+    values = [losses[n] for n in names]
+    right.scatter(values, range(len(names)), color="k", zorder=3)
+    for row, v in enumerate(values):
+        note = "best" if row == 0 else f"{100 * (v / best - 1):+.1f}%"
+        right.annotate(f"{v:.4f} ({note})", (v, row), xytext=(6, 0),
+                       textcoords="offset points", va="center", fontsize=8)
+    span = max(values) - min(values) or abs(best) * 0.01
+    right.set_xlim(min(values) - 0.1 * span, max(values) + 0.6 * span)
+    right.set_xlabel("final held-out loss")
+    right.grid(alpha=0.3)
+    right.tick_params(axis="y", which="both", length=0)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def title_of(result: dict) -> str:
+    layers = 1 + max(i for g in result["groups"].values() for grp in g for i in grp)
+    fragments = len(next(iter(result["groups"].values())))
+    return (f"Streaming DiLoCo K=2, H=32, P={fragments + 1}, {layers}-layer byte LM on the stdlib corpus, "
+            f"{result['steps']} steps, one seed")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.custom_fragment_order", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/orders")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--plot-only", action="store_true", help="redraw OUT/orders.png from OUT/orders.json")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.plot_only:
+        if not (out / "orders.json").exists():
+            print(f"error: no {out / 'orders.json'} to plot", file=sys.stderr)
+            return 1
+        result = json.loads((out / "orders.json").read_text())
+        plot(result, out / "orders.png", title_of(result))
+        print(f"wrote {out / 'orders.png'}")
+        return 0
     register()
     layers, p_frag = 6, 4  # three fragments of two layers each
     for name in ("interleaved", "sequential", *CUSTOM):
@@ -89,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
              "--global-batch", "8"] if args.quick else
             ["--layers", str(layers), "--width", "64", "--heads", "4", "--seq-len", "128",
              "--global-batch", "16"])
-    out = Path(args.out)
     results = {}
     for name in ("interleaved", "sequential", *CUSTOM):
         run_dir = out / name
@@ -103,12 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary = train.run(train.parse_settings(argv + (["--resume"] if meta.exists() else [])))
         results[name] = summary["eval_loss"]
-    (out / "orders.json").write_text(json.dumps(
-        {"steps": steps, "eval_loss": results,
-         "groups": {n: dl.orders.layer_groups(n, layers, p_frag) for n in results}}, indent=1))
+    result = {"steps": steps, "eval_loss": results,
+              "groups": {n: dl.orders.layer_groups(n, layers, p_frag) for n in results}}
+    (out / "orders.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "orders.png", title_of(result))
     best = min(results.values())
     for name, loss in sorted(results.items(), key=lambda kv: kv[1]):
         print(f"{name:>13}: held-out loss {loss:.4f} ({100 * (loss / best - 1):+.2f}% vs best)")
+    print(f"wrote {out / 'orders.png'}")
     return 0
 
 

@@ -36,6 +36,11 @@ def test_custom_fragment_order_quick(tmp_path, capsys):
     result = json.loads((tmp_path / "orders.json").read_text())
     assert set(result["eval_loss"]) == {"interleaved", "sequential", "reverse_depth", "mirrored", "random_fixed"}
     assert result["groups"]["mirrored"] == [[0, 5], [1, 4], [2, 3]]
+    png = tmp_path / "orders.png"
+    assert png.stat().st_size > 10_000
+    png.unlink()  # --plot-only redraws it from orders.json alone
+    assert custom_fragment_order.main(["--out", str(tmp_path), "--plot-only"]) == 0
+    assert png.stat().st_size > 10_000
 
 
 def test_outer_optimizers_quick(tmp_path):
