@@ -2,7 +2,7 @@
 # The sync cost on the GPU at 10M and 30M: the vanilla sync's extra time against the fused
 # pass over its bytes, for the 10M and 30M models in float32 (the CPU's measurement, the same
 # command), K = 2 islands vmapped on the one device (gpu_h200.sh measures the 100M model in
-# bfloat16). For one device call of about 5 minutes (give it 600 s).
+# bfloat16). It takes about 5 minutes (allow it 10).
 #
 #   bash benchmarks/gpu_h200_sync_sizes.sh [OUT_DIR]
 #
