@@ -116,13 +116,17 @@ def title_of(result: dict) -> str:
             f"{result['steps']} steps, one seed")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.custom_fragment_order", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/orders")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--plot-only", action="store_true", help="redraw OUT/orders.png from OUT/orders.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     if args.plot_only:
         if not (out / "orders.json").exists():

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from experiments.variants import Claim, Method, Study, main as study_main
+from experiments.variants import Claim, Method, Study, build_parser as study_parser, main as study_main
 
 K = 2
 BASE_KNOBS = {"outer_lr": 0.7, "outer_momentum": 0.9, "steps": 600}
@@ -54,6 +54,10 @@ FULL = Study(
           "--outer-momentum", "0.9"),
     title="eager updates: K=2, H=30, 2L×64 byte LM, {steps} steps × 8 × 64 bytes, {seeds} seed(s) (band: ± std)")
 QUICK = dataclasses.replace(FULL, methods=METHODS, claims=CLAIMS[:4], seeds=(0,), steps=60)
+
+
+def build_parser():
+    return study_parser(FULL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,7 @@ steps and against bytes sent at the largest budget, seed bands.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -31,7 +32,7 @@ import numpy as np
 
 from diloco_eqx.training.loop import read_jsonl
 from experiments.stats import describe, interval, paired, verdict
-from experiments.sweep import run_jobs, status, study_args
+from experiments.sweep import run_jobs, status, study_args, study_parser
 from experiments.variants import write_csv
 
 TOKENS_PER_STEP = 8 * 64
@@ -278,9 +279,13 @@ def report(plan: Plan, out: Path) -> dict:
     return results
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return study_parser("python -m experiments.gap_trends", __doc__, "runs/gap_trends",
+                        "tiny budgets, one seed: checks the pipeline")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = study_args("python -m experiments.gap_trends", __doc__, "runs/gap_trends",
-                      "tiny budgets, one seed: checks the pipeline", argv)
+    args = study_args(build_parser(), argv)
     plan, out = (QUICK if args.quick else FULL), args.out
     failed = run_jobs(out, jobs(plan), args.parallel)
     if failed:

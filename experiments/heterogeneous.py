@@ -20,7 +20,7 @@ import dataclasses
 import math
 import sys
 
-from experiments.variants import Claim, Method, Study, main as study_main
+from experiments.variants import Claim, Method, Study, build_parser as study_parser, main as study_main
 
 H = 30
 SPEEDS = {"equal": (1, 1, 1, 1), "uniform": (1, 1, 0.5, 0.25), "tokens": (1, 1, 0.5, 0.25), "dropped": (1, 1, 0, 0)}
@@ -52,6 +52,10 @@ FULL = Study(
           "{seeds} seed(s) (band: ± std)",
     extra=trained_tokens)
 QUICK = dataclasses.replace(FULL, seeds=(0,), steps=60)
+
+
+def build_parser():
+    return study_parser(FULL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,12 +15,13 @@ OUT/outer_optimizers.png. Interrupted runs resume; finished ones are skipped.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from experiments.stats import describe, paired, verdict
-from experiments.sweep import run_jobs, status, study_args
+from experiments.sweep import run_jobs, status, study_args, study_parser
 from experiments.variants import write_csv
 
 MODEL = ["--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "64", "--global-batch", "8"]
@@ -128,9 +129,13 @@ def plot(rows: list[dict], result: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return study_parser("python -m experiments.outer_optimizers", __doc__, "runs/outer_optimizers",
+                        "7 short runs, to check the pipeline")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = study_args("python -m experiments.outer_optimizers", __doc__, "runs/outer_optimizers",
-                      "7 short runs, to check the pipeline", argv)
+    args = study_args(build_parser(), argv)
     out, grid = args.out, QUICK if args.quick else FULL
     runs = jobs(grid)
     failed = run_jobs(out, [(name, flags) for name, _, flags in runs], args.parallel)

@@ -18,6 +18,7 @@ OUT/paper_claims_period.png draws it.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
@@ -29,7 +30,7 @@ import numpy as np
 
 from diloco_eqx.training.loop import read_jsonl
 from experiments.stats import interval, paired, verdict
-from experiments.sweep import status, study_args
+from experiments.sweep import status, study_args, study_parser
 from experiments.variants import Claim, Method, Study, run_study, write_csv
 
 MODEL = ("--layers", "4", "--width", "24", "--heads", "2", "--seq-len", "64", "--global-batch", "8")
@@ -130,9 +131,13 @@ def plot_period(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return study_parser("python -m experiments.paper_claims", __doc__, f"runs/{FULL.name}",
+                        "one seed of short runs, to check the pipeline")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = study_args("python -m experiments.paper_claims", __doc__, f"runs/{FULL.name}",
-                      "one seed of short runs, to check the pipeline", argv)
+    args = study_args(build_parser(), argv)
     study, out = (QUICK if args.quick else FULL), args.out
     rc = run_study(study, out, args.parallel)
     if rc:

@@ -136,13 +136,17 @@ def plot(res: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.reproduce_streaming", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/reproduce")
     p.add_argument("--quick", action="store_true", help="tiny model, 60 steps: checks the pipeline")
     p.add_argument("--parallel", type=int, default=1)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     failed = run_jobs(out, jobs(args.quick), args.parallel)
     if failed:

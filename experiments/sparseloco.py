@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from experiments.variants import Claim, Method, Study, main as study_main
+from experiments.variants import Claim, Method, Study, build_parser as study_parser, main as study_main
 
 DENSITIES = (0.01, 0.03, 0.1)
 ERROR_DECAY, TOPK_CHUNK, TOPK_BITS = 0.95, 4096, 2
@@ -61,6 +61,10 @@ FULL = Study(
           "{seeds} seed(s) (band: ± std)",
     loss_vs_bytes=True, extra=index_bytes)
 QUICK = dataclasses.replace(FULL, seeds=(0,), steps=60)
+
+
+def build_parser():
+    return study_parser(FULL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,14 +62,18 @@ def point_flags(point: Mapping[str, Any]) -> list[str]:
     return flags
 
 
-def study_args(prog: str, doc: str | None, default_out: str, quick_help: str,
-               argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """--out, --quick and --parallel of a study script; also points JAX's compilation cache
-    at OUT/jax_cache, since a study's runs share most of their programs."""
+def study_parser(prog: str, doc: str | None, default_out: str, quick_help: str) -> argparse.ArgumentParser:
+    """--out, --quick and --parallel of a study script."""
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=default_out)
     p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--parallel", type=int, default=1, help="runs at a time")
+    return p
+
+
+def study_args(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags of a study script (`p` from study_parser); also points JAX's compilation
+    cache at OUT/jax_cache, since a study's runs share most of their programs."""
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1; got {args.parallel}")
@@ -172,24 +176,37 @@ def summarize(out: Path, grid: Mapping[str, Sequence[Any]]) -> list[dict[str, An
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    base: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, base = argv[:i], argv[i + 1 :]
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="sweep directory (one run directory per point)")
     p.add_argument("--grid", nargs="+", required=True, metavar="NAME=V1,V2,...")
     p.add_argument("--parallel", type=int, default=1, help="points run at a time (default: 1)")
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The sweep's flags (before `--`), checked; `grid` parsed, and `base`: the training
+    flags after `--`."""
+    argv, base = list(argv), []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, base = argv[:i], argv[i + 1 :]
+    p = build_parser()
     args = p.parse_args(argv)
     try:
-        grid = parse_grid(args.grid)
+        args.grid = parse_grid(args.grid)
     except ValueError as e:
         p.error(str(e))
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1; got {args.parallel}")
+    args.base = base
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    grid, base = args.grid, args.base
     try:
         rows = run_sweep(args.out, grid, base, args.parallel)
     except RuntimeError as e:

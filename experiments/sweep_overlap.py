@@ -99,13 +99,17 @@ def plot(result: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.sweep_overlap", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/overlap")
     p.add_argument("--quick", action="store_true", help="4 short runs, to check the pipeline")
     p.add_argument("--parallel", type=int, default=1)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     out = Path(args.out)
     grid, base = grid_and_base(args.quick)
     try:

@@ -13,6 +13,7 @@ a seed band, and final loss against bytes sent).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from diloco_eqx.training.loop import read_jsonl
 from experiments.stats import describe, paired, verdict
-from experiments.sweep import run_jobs, status, study_args
+from experiments.sweep import run_jobs, status, study_args, study_parser
 
 MODEL = ["--layers", "2", "--width", "64", "--heads", "4", "--seq-len", "64", "--global-batch", "8"]
 """The 2-layer × 64 byte-level transformer on the stdlib corpus, GBS 8 × 64 bytes."""
@@ -198,9 +199,14 @@ def plot_comparisons(study: Study, result: dict, path: Path) -> Path:
     return path
 
 
+def build_parser(full: Study) -> argparse.ArgumentParser:
+    """The command line of the study script that runs `full`."""
+    return study_parser(f"python -m experiments.{full.name}", full.doc, f"runs/{full.name}",
+                        "one seed of short runs, to check the pipeline")
+
+
 def main(full: Study, quick: Study, argv: Sequence[str] | None = None) -> int:
-    args = study_args(f"python -m experiments.{full.name}", full.doc, f"runs/{full.name}",
-                      "one seed of short runs, to check the pipeline", argv)
+    args = study_args(build_parser(full), argv)
     return run_study(quick if args.quick else full, args.out, args.parallel)
 
 

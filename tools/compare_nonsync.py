@@ -97,10 +97,14 @@ def compare(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> str:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", metavar="JSON", help="`tools.benchmark --nonsync --json` outputs")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = build_parser().parse_args(argv)
     runs, missing = {}, []
     for path in args.runs:  # a stage that failed or ran out of time leaves no JSON: compare the others
         try:

@@ -18,11 +18,16 @@ import sys
 from pathlib import Path
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="run directory (with run.json and checkpoints/)")
     parser.add_argument("--out", required=True, help="directory to write model.eqx and model.json to")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     out = Path(args.out)
     if (out / "model.eqx").exists():

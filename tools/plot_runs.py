@@ -14,12 +14,17 @@ from pathlib import Path
 from diloco_eqx.training.plots import default_out, plot_runs
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl)")
     parser.add_argument("--out", default=None,
                         help="PNG to write (default: RUN/loss.png, or compare.png beside several runs)")
     parser.add_argument("--smooth", type=int, default=10, help="moving-average window (steps)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     run_dirs = [Path(r) for r in args.runs]
     try:

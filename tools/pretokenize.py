@@ -36,7 +36,7 @@ def pretokenize(inputs: list[str], spec: str, out: Path, llmc_header: bool = Fal
     return token_files.write_token_file(out, docs, tok, llmc_header=llmc_header, tokenizer_file=tok_file)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", help="text files, directories, globs, stdlib, markov "
                         "[key=value ...] or .array_record files (as --corpus takes them)")
@@ -45,6 +45,11 @@ def main(argv=None) -> None:
     parser.add_argument("--llmc-header", action="store_true",
                         help=f"start the file with llm.c's header (magic {token_files.LLMC_MAGIC}; ids "
                              "then uint16 or uint32)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     try:
